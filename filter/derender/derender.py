@@ -1,0 +1,194 @@
+"""Producer events -> OpenAI ``chat.completion.chunk`` frames, by vLLM's own chat server code.
+
+``ChatStream`` owns the live state of one HTTP stream: the ``ChoiceOutputs``
+(detokenizer, stop strings, logprobs per choice) and one running
+``OpenAIServingChat.chat_completion_stream_generator``, which creates a
+``ChatStreamProcessor`` and parser per choice and keeps them for the whole
+stream. The generator is driven by hand: each producer event becomes the
+``RequestOutput`` the generator awaits next, and the generator runs until it
+waits for the following one. No event loop hop, no replay.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from typing import Any
+
+from .errors import HTTPError, dumps, error_event
+from .model import Model
+from .outputs import ChoiceOutputs, ProducerError
+from .render import Rendered
+
+DONE = b"data: [DONE]\n\n"
+
+
+class _WaitForEvent:
+    """Awaited by the result generator when it has nothing queued: suspends the driver."""
+
+    def __await__(self):
+        yield self
+
+
+_WAIT = _WaitForEvent()
+
+
+class ChatStream:
+    """One streaming chat completion, from producer events to client bytes."""
+
+    def __init__(self, model: Model, rendered: Rendered) -> None:
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+        request = rendered.request
+        self.outputs = ChoiceOutputs(
+            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=True
+        )
+        self.producer_request_id: str | None = None
+        self.completion_tokens = 0
+        self.finished = False  # [DONE] was produced
+        self._queue: deque[Any] = deque()
+        self._ended = False
+        self._step: Any = None
+        self._agen = model.serving_chat.chat_completion_stream_generator(
+            request,
+            self._results(),
+            rendered.request_id,
+            request.model or model.name,
+            [],
+            model.tokenizer,
+            RequestResponseMetadata(request_id=rendered.request_id),
+            chat_template_kwargs=rendered.chat_template_kwargs,
+        )
+
+    async def _results(self):
+        while True:
+            while self._queue:
+                yield self._queue.popleft()
+            if self._ended:
+                return
+            await _WAIT
+
+    def feed(self, payload: bytes) -> tuple[bytes, bool]:
+        """One SSE ``data:`` payload from the producer -> (client bytes, abort producer?)."""
+        if self.finished:
+            return b"", False
+        if payload == b"[DONE]":
+            return self.end(), False
+        try:
+            event = json.loads(payload)
+            if not isinstance(event, dict):
+                raise ProducerError("producer event is not a JSON object")
+            if "error" in event:
+                return self._fail_with_producer_error(event["error"]), False
+            if self.producer_request_id is None:
+                self.producer_request_id = event.get("request_id")
+            abort = False
+            for choice in event.get("choices") or ():
+                self.completion_tokens += len(choice.get("token_ids") or ())
+                outs, stop = self.outputs.step(choice)
+                self._queue.extend(outs)
+                abort |= stop
+        except (ProducerError, ValueError, KeyError, TypeError) as exc:
+            return self.fail(502, f"invalid producer event: {exc}"), False
+        if self.outputs.done:
+            self._ended = True
+        return self._pump(), abort
+
+    def end(self) -> bytes:
+        """The producer's stream is over (``[DONE]`` or end of body)."""
+        if self.finished:
+            return b""
+        if not self.outputs.done:
+            return self.fail(502, "the producer's stream ended before the generation finished")
+        self._ended = True
+        return self._pump()
+
+    def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
+        """Stop here: what was produced so far, an OpenAI error event, then ``[DONE]``."""
+        if self.finished:
+            return b""
+        self._close()
+        return error_event(status, message, err_type) + DONE
+
+    def _fail_with_producer_error(self, error: Any) -> bytes:
+        if not isinstance(error, dict):
+            return self.fail(502, f"producer error: {error!r}")
+        code = error.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        return self.fail(status, str(error.get("message", "producer error")), error.get("type"))
+
+    def _close(self) -> None:
+        self.finished = True
+        if self._step is not None:
+            self._step.close()
+            self._step = None
+        closer = self._agen.aclose()
+        try:
+            closer.send(None)
+        except StopIteration:
+            pass
+        except RuntimeError:
+            closer.close()
+
+    def _pump(self) -> bytes:
+        """Run the generator until it waits for the next event or ends."""
+        frames: list[str] = []
+        while True:
+            if self._step is None:
+                self._step = self._agen.__anext__()
+            try:
+                awaited = self._step.send(None)
+            except StopIteration as got:
+                self._step = None
+                frames.append(got.value)
+                continue
+            except StopAsyncIteration:
+                self._step = None
+                self.finished = True
+                break
+            if awaited is not _WAIT:
+                self._step.close()
+                self._step = None
+                raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
+            break
+        return "".join(frames).encode()
+
+
+async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes) -> bytes:
+    """A non-streaming producer response -> the ``chat.completion`` JSON vLLM would send."""
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+    try:
+        response = json.loads(producer_body)
+        outputs = ChoiceOutputs(
+            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=False
+        )
+        finals = []
+        for choice in response.get("choices") or ():
+            finals.extend(outputs.step(choice)[0])
+    except (ProducerError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HTTPError(502, f"invalid producer response: {exc}") from None
+    if not outputs.done or len(finals) != 1:
+        raise HTTPError(502, "the producer's response does not finish every choice")
+
+    async def results():
+        yield finals[0]
+
+    request = rendered.request
+    chat = model.serving_chat
+    parser = None
+    if chat.parser_cls is not None:
+        parser = chat._make_parser(request, model.tokenizer, rendered.chat_template_kwargs)
+    result = await chat.chat_completion_full_generator(
+        request,
+        results(),
+        rendered.request_id,
+        request.model or model.name,
+        [],
+        model.tokenizer,
+        RequestResponseMetadata(request_id=rendered.request_id),
+        parser=parser,
+    )
+    if hasattr(result, "error"):
+        raise HTTPError.from_vllm(result)
+    return dumps(result.model_dump())

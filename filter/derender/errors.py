@@ -1,0 +1,88 @@
+"""OpenAI-style error bodies, shaped exactly as vLLM's HTTP server shapes them."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from types import SimpleNamespace
+from typing import Any
+
+
+class HTTPError(Exception):
+    """An error the client gets as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.type = err_type or _default_type(self.status)
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.type, self.param)
+
+    @classmethod
+    def from_vllm(cls, response: Any) -> "HTTPError":
+        """From a vLLM ``ErrorResponse``."""
+        e = response.error
+        return cls(e.code, e.message, e.type, e.param)
+
+
+def _default_type(status: int) -> str:
+    if status == 400:
+        return "BadRequestError"
+    if status == 401:
+        return "AuthenticationError"
+    if status == 404:
+        return "NotFoundError"
+    if status == 413:
+        return "RequestEntityTooLarge"
+    if status == 429:
+        return "RateLimitError"
+    if status >= 500:
+        return "InternalServerError"
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def dumps(content: Any) -> bytes:
+    """JSON as Starlette's ``JSONResponse`` renders it (vLLM's non-streaming bodies)."""
+    return json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+def error_body(status: int, message: str, err_type: str | None = None, param: str | None = None) -> bytes:
+    return dumps({"error": {"message": message, "type": err_type or _default_type(status), "param": param, "code": status}})
+
+
+def error_event(status: int, message: str, err_type: str | None = None, param: str | None = None) -> bytes:
+    """A mid-stream error as vLLM streams it: one SSE event (``[DONE]`` follows separately)."""
+    return b"data: " + error_body(status, message, err_type, param) + b"\n\n"
+
+
+def validation_error(exc: Any) -> HTTPError:
+    """A pydantic ``ValidationError`` of the request body, as vLLM reports a 400."""
+    from fastapi.exceptions import RequestValidationError
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+        validation_exception_handler,
+    )
+
+    errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]
+    fake = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))))
+    response = None
+    coro = validation_exception_handler(fake, RequestValidationError(errors))
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        response = done.value
+    assert response is not None
+    body = json.loads(response.body)["error"]
+    return HTTPError(response.status_code, body["message"], body["type"], body["param"])
+
+
+def from_exception(exc: Exception) -> HTTPError:
+    """Any exception, classified by vLLM's own ``create_error_response``."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    return HTTPError.from_vllm(create_error_response(exc))

@@ -1,0 +1,217 @@
+"""The Envoy ext_proc gRPC server: one coroutine per HTTP stream owns that stream's state.
+
+Envoy sends request headers, the buffered request body, response headers and
+the response body chunks of one HTTP stream over one gRPC stream. This module
+turns those messages into calls on the exchange for the request's endpoint
+(``chat.ChatExchange``) and its answers into ext_proc responses. Requests the
+filter answers itself (health, models, errors) get an ``immediate_response``
+before anything reaches a producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+
+from .chat import ChatExchange, ResponseStart, Rewrite
+from .errors import HTTPError, dumps
+from .model import Model
+from .producer import Producer
+
+log = logging.getLogger("derender.extproc")
+
+# Headers a client may send that the producer must not see.
+STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
+
+_BUFFERED_RESPONSE = processing_mode_pb2.ProcessingMode(
+    request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+)
+
+
+def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    out = {}
+    for h in headers.headers.headers:
+        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return out
+
+
+def _mutation(set_headers: dict[str, str] | None = None, remove: list[str] | tuple[str, ...] = ()) -> pb.HeaderMutation:
+    m = pb.HeaderMutation(remove_headers=list(remove))
+    for key, value in (set_headers or {}).items():
+        m.set_headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        )
+    return m
+
+
+def immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=_mutation({"content-type": content_type}),
+            body=body,
+            details="derender",
+        )
+    )
+
+
+def _error(exc: HTTPError) -> pb.ProcessingResponse:
+    return immediate(exc.status, exc.body())
+
+
+def _body_mutation(body: bytes) -> pb.BodyMutation:
+    return pb.BodyMutation(body=body) if body else pb.BodyMutation(clear_body=True)
+
+
+class Router:
+    """Which endpoint a request is for, and the answers the filter gives itself."""
+
+    def __init__(self, model: Model, producer: Producer) -> None:
+        self.model = model
+        self.producer = producer
+
+    async def route(self, headers: dict[str, str], end_of_stream: bool) -> ChatExchange | pb.ProcessingResponse:
+        method = headers.get(":method", "GET")
+        path = headers.get(":path", "/").split("?", 1)[0]
+        if path == "/v1/chat/completions":
+            if method != "POST":
+                return _error(HTTPError(405, f"Method {method} not allowed for {path}"))
+            if end_of_stream:
+                return _error(HTTPError(400, "The request body is empty: a JSON chat completion request is required"))
+            return ChatExchange(self.model, self.producer, headers.get("x-request-id"))
+        if path in ("/health", "/ping") and method == "GET":
+            return immediate(200, b"")
+        if path == "/v1/models" and method == "GET":
+            models = await self.model.registry.show_available_models()
+            return immediate(200, dumps(models.model_dump()))
+        return _error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.active = 0
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+        exchange: ChatExchange | None = None
+        complete = False
+        self.active += 1
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if kind == "request_headers":
+                    routed = await self.router.route(_header_map(message.request_headers), message.request_headers.end_of_stream)
+                    if isinstance(routed, pb.ProcessingResponse):
+                        complete = True
+                        yield routed
+                        return
+                    exchange = routed
+                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                elif kind == "request_body" and exchange is not None:
+                    try:
+                        rewrite = await exchange.request_body(message.request_body.body)
+                    except HTTPError as exc:
+                        complete = True
+                        yield _error(exc)
+                        return
+                    yield self._request_rewrite(rewrite)
+                elif kind == "response_headers" and exchange is not None:
+                    headers = _header_map(message.response_headers)
+                    status = int(headers.get(":status", "0") or 0)
+                    start = exchange.response_headers(status)
+                    complete = message.response_headers.end_of_stream and not start.buffer
+                    yield self._response_start(start)
+                elif kind == "response_body" and exchange is not None:
+                    body = message.response_body
+                    if exchange.stream is not None:
+                        out = exchange.response_chunk(body.body, body.end_of_stream)
+                        common = pb.CommonResponse(body_mutation=_body_mutation(out))
+                    else:
+                        out, status = await exchange.response_body(body.body)
+                        common = pb.CommonResponse(
+                            header_mutation=_mutation(
+                                {"content-length": str(len(out)), **({":status": str(status)} if status else {})}
+                            ),
+                            body_mutation=_body_mutation(out),
+                        )
+                    complete = complete or body.end_of_stream
+                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_trailers":
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                else:
+                    log.warning("unexpected ext_proc message %s", kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("ext_proc stream failed")
+            raise
+        finally:
+            self.active -= 1
+            if exchange is not None:
+                exchange.close(complete)
+
+    @staticmethod
+    def _request_rewrite(rewrite: Rewrite) -> pb.ProcessingResponse:
+        headers = {":path": rewrite.path, "content-length": str(len(rewrite.body)), **rewrite.set_headers}
+        return pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    header_mutation=_mutation(headers, STRIP_REQUEST_HEADERS),
+                    body_mutation=pb.BodyMutation(body=rewrite.body),
+                    clear_route_cache=True,
+                )
+            )
+        )
+
+    @staticmethod
+    def _response_start(start: ResponseStart) -> pb.ProcessingResponse:
+        response = pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=_mutation(start.set_headers, start.remove_headers))
+            )
+        )
+        if start.buffer:
+            response.mode_override.CopyFrom(_BUFFERED_RESPONSE)
+        return response
+
+
+async def serve(model: Model, producer_url: str, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+    producer = Producer(producer_url)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(Router(model, producer)), server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    log.info("ext_proc listening on %s, producer %s", address, producer_url)
+    if ready is not None:
+        ready.set()
+    try:
+        await server.wait_for_termination()
+    finally:
+        await server.stop(grace=2)
+        await producer.close()

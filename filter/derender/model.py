@@ -1,0 +1,130 @@
+"""One served model: vLLM's own renderer, parsers and chat serving, built without an engine.
+
+The objects are built exactly as ``vllm launch render`` builds its state (a
+``VllmConfig`` from ``vllm serve`` flags, then ``init_render_app_state``), so
+rendering and parsing behave as vLLM's. ``OpenAIServingChat`` gets a stand-in
+engine client that only carries the config and renderer: the filter drives its
+stream generator with outputs rebuilt from the producer's token events.
+Everything here is read-only once built and shared by all streams of a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+log = logging.getLogger("derender.model")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What ``vllm serve`` would be told about a model."""
+
+    model: str
+    served_model_name: tuple[str, ...] = ()
+    max_model_len: int | None = None
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    default_chat_template_kwargs: str | None = None  # JSON, as vLLM takes it
+
+    def vllm_argv(self) -> list[str]:
+        argv = ["--model", self.model]
+        if self.served_model_name:
+            argv += ["--served-model-name", *self.served_model_name]
+        if self.max_model_len:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        if self.chat_template:
+            argv += ["--chat-template", self.chat_template]
+        if self.reasoning_parser:
+            argv += ["--reasoning-parser", self.reasoning_parser]
+        if self.tool_call_parser:
+            argv += ["--tool-call-parser", self.tool_call_parser]
+        if self.enable_auto_tool_choice:
+            argv += ["--enable-auto-tool-choice"]
+        if self.default_chat_template_kwargs:
+            argv += ["--default-chat-template-kwargs", self.default_chat_template_kwargs]
+        return argv
+
+
+class _EngineStandIn:
+    """What ``OpenAIServingChat`` reads from an engine client, and nothing more."""
+
+    errored = False
+    input_processor = None
+
+    def __init__(self, vllm_config: Any, renderer: Any) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.renderer = renderer
+
+
+class Model:
+    """Read-only vLLM objects for one served model."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from starlette.datastructures import State
+        from vllm import AsyncEngineArgs, envs
+        from vllm.config import VllmConfig
+        from vllm.entrypoints.common.cli_args import make_arg_parser
+        from vllm.entrypoints.launchers.render.app_state import init_render_app_state
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        self.spec = spec
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(spec.vllm_argv())
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        model_config = engine_args.create_model_config()
+        model_config.quantization = None  # rendering only: no kernels
+        envs.VLLM_CPU_KVCACHE_SPACE = 0
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            logging_config=engine_args.create_logging_config(),
+            structured_outputs_config=engine_args.create_structured_outputs_config(),
+        )
+        state = State()
+        asyncio.run(init_render_app_state(vllm_config, state, args))
+
+        self.args = args
+        self.vllm_config = vllm_config
+        self.model_config = model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.served_names: list[str] = list(args.served_model_name or [args.model])
+        self.name = self.served_names[0]
+        self.registry = state.openai_serving_models
+        self.online_renderer = state.online_renderer
+        self.serving_render = state.serving_render
+        self.serving_tokenization = state.serving_tokenization
+        self.renderer = self.online_renderer.renderer
+        self.tokenizer = self.renderer.get_tokenizer()
+        self.parser_cls = self.online_renderer.parser
+        self.use_harmony = model_config.hf_config.model_type == "gpt_oss"
+        self.serving_chat = OpenAIServingChat(
+            _EngineStandIn(vllm_config, self.renderer),  # type: ignore[arg-type]
+            self.registry,  # type: ignore[arg-type]
+            "assistant",
+            online_renderer=self.online_renderer,
+            request_logger=None,
+            chat_template=self.online_renderer.chat_template,
+            chat_template_content_format=args.chat_template_content_format,
+            trust_request_chat_template=args.trust_request_chat_template,
+            reasoning_parser=args.reasoning_parser
+            or vllm_config.structured_outputs_config.reasoning_parser
+            or "",
+            enable_auto_tools=args.enable_auto_tool_choice,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            tool_parser=args.tool_call_parser,
+            tool_strict_level=args.tool_strict_level,
+            default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
+        )
+        log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
+
+    def serves(self, name: str | None) -> bool:
+        return not name or name in self.served_names

@@ -1,0 +1,138 @@
+"""Producer token events -> vLLM ``RequestOutput``s, as vLLM's own front end makes them.
+
+In a coupled ``vllm serve`` the API server turns every engine step into a
+``RequestOutput`` with vLLM's ``OutputProcessor``: a ``DecodeStream``
+detokenizer primed with the prompt, stop-string checks that hold text back,
+the stop token dropped from the text, logprobs with their decoded tokens, and
+one child request per choice when ``n > 1``. The producer already ran the
+engine; each of its SSE events is one engine step of one choice. So for every
+event we rebuild the ``EngineCoreOutput`` the engine would have produced and
+hand it to a live ``OutputProcessor`` that belongs to this HTTP stream alone.
+"""
+
+from __future__ import annotations
+
+import time
+from copy import copy
+from typing import Any
+
+import numpy as np
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine.parallel_sampling import ParentRequest
+from vllm.v1.outputs import LogprobsLists
+
+FINISH_REASONS = {str(r): r for r in FinishReason}
+
+
+class ProducerError(Exception):
+    """The producer sent something the filter cannot turn into output."""
+
+
+class ChoiceOutputs:
+    """A live ``OutputProcessor`` for one generation (all ``n`` choices)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool,
+    ) -> None:
+        params = copy(params)
+        # The producer already grouped tokens by stream_interval: one event is
+        # one engine step here, so no second grouping.
+        params.stream_interval = None
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        self.n = params.n
+        self.num_logprobs = params.logprobs
+        self.processor = OutputProcessor(tokenizer, log_stats=False)
+        self.finished = [False] * self.n
+        self.child_ids: list[str] = []
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            external_req_id=request_id,
+        )
+        if self.n == 1:
+            self.processor.add_request(request, None)
+            self.child_ids.append(request_id)
+            return
+        parent = ParentRequest(request)
+        for index in range(self.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = copy(request)
+            child.request_id = child_id
+            child.sampling_params = child_params
+            self.processor.add_request(child, None, parent, index)
+            self.child_ids.append(child_id)
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def step(self, choice: dict[str, Any]) -> tuple[list[RequestOutput], bool]:
+        """Apply one producer choice event.
+
+        Returns the ``RequestOutput``s it yields and whether the producer
+        request must be aborted (a stop string was matched here).
+        """
+        index = choice.get("index", 0)
+        if not isinstance(index, int) or not 0 <= index < self.n:
+            raise ProducerError(f"producer sent choice index {index!r} for n={self.n}")
+        if self.finished[index]:
+            return [], False
+        token_ids = choice.get("token_ids") or []
+        reason = choice.get("finish_reason")
+        finish = None
+        if reason is not None:
+            finish = FINISH_REASONS.get(reason)
+            if finish is None:
+                raise ProducerError(f"producer sent unknown finish_reason {reason!r}")
+        logprobs = choice.get("logprobs")
+        output = EngineCoreOutput(
+            request_id=self.child_ids[index],
+            new_token_ids=list(token_ids),
+            new_logprobs=self._logprobs(logprobs, token_ids) if self.num_logprobs is not None else None,
+            finish_reason=finish,
+            stop_reason=choice.get("stop_reason"),
+        )
+        result = self.processor.process_outputs([output])
+        if index_finished := (finish is not None or output.request_id not in self.processor.request_states):
+            self.finished[index] = True
+        return result.request_outputs, bool(result.reqs_to_abort) and index_finished
+
+    def _logprobs(self, logprobs: dict[str, Any] | None, token_ids: list[int]) -> LogprobsLists:
+        """The engine's per-position rows: sampled token first, then top-k by rank."""
+        content = (logprobs or {}).get("content") or []
+        if len(content) != len(token_ids):
+            raise ProducerError(
+                f"producer sent {len(content)} logprob entries for {len(token_ids)} tokens"
+            )
+        k = self.num_logprobs
+        rows_ids, rows_lps, ranks = [], [], []
+        for entry in content:
+            tops = entry.get("top_logprobs") or []
+            ranked = sorted(
+                (t for t in tops if t.get("rank") is not None and (k < 0 or t["rank"] <= k)),
+                key=lambda t: t["rank"],
+            )
+            rows_ids.append([entry["token_id"]] + [t["token_id"] for t in ranked])
+            rows_lps.append([entry["logprob"]] + [t["logprob"] for t in ranked])
+            ranks.append(entry.get("rank") or 0)
+        if len({len(r) for r in rows_ids}) > 1:
+            raise ProducerError("producer sent logprob rows of different widths in one event")
+        ids = np.array(rows_ids, dtype=np.int64).reshape(len(rows_ids), -1)
+        lps = np.array(rows_lps, dtype=np.float32).reshape(len(rows_ids), -1)
+        return LogprobsLists(ids, lps, np.array(ranks, dtype=np.int64))

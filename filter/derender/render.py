@@ -1,0 +1,78 @@
+"""OpenAI request body -> the producer's ``GenerateRequest``, rendered by vLLM itself.
+
+This is what vLLM's ``/v1/chat/completions/render`` does (``ServingRender``):
+validation with vLLM's request model, the model check (404), the chat
+template with tools and ``chat_template_kwargs``, ``max_tokens`` from
+``max_model_len``, sampling params. One change on the way out: stop strings
+stay with the filter. The filter holds the detokenizer, so it matches them,
+holds text back and aborts the producer, as the coupled server does; a
+``--tokens-only`` producer would refuse them.
+"""
+
+from __future__ import annotations
+
+from copy import copy
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from .errors import HTTPError, from_exception, validation_error
+from .model import Model
+
+
+@dataclass
+class Rendered:
+    request: Any  # vLLM ChatCompletionRequest
+    request_id: str  # the OpenAI response id ("chatcmpl-...")
+    prompt_token_ids: list[int]
+    params: Any  # vLLM SamplingParams as the client asked (stop strings included)
+    body: bytes  # JSON for POST /inference/v1/generate
+    chat_template_kwargs: dict[str, Any]
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+
+def parse_chat_request(model: Model, raw: bytes) -> Any:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    try:
+        return ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Rendered:
+    """Render a ``/v1/chat/completions`` body; raises ``HTTPError`` for bad input."""
+    request = parse_chat_request(model, raw)
+    headers = {"X-Request-Id": x_request_id} if x_request_id else {}
+    try:
+        result = await model.serving_render.render_chat_request(request, SimpleNamespace(headers=headers))
+    except Exception as exc:  # vLLM raises for some bad input instead of returning
+        raise from_exception(exc) from None
+    if not hasattr(result, "token_ids"):
+        raise HTTPError.from_vllm(result)
+    return Rendered(
+        request=request,
+        request_id=result.request_id,
+        prompt_token_ids=list(result.token_ids),
+        params=result.sampling_params,
+        body=producer_body(result),
+        chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
+    )
+
+
+def producer_body(generate_request: Any) -> bytes:
+    """The JSON vLLM's render endpoint would return, minus the stop strings."""
+    params = generate_request.sampling_params
+    if params.stop:
+        params = copy(params)
+        params.stop = []
+        params.include_stop_str_in_output = False
+        params.output_text_buffer_length = 0
+        generate_request = generate_request.model_copy(update={"sampling_params": params})
+    return orjson.dumps(generate_request.model_dump(), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)

@@ -1,0 +1,154 @@
+"""``derender up``: Envoy + the filter (+ the simulator) on 127.0.0.1, until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import envoy_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_ok(host: str, port: int, path: str) -> bool:
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=2)
+        conn.request("GET", path)
+        ok = conn.getresponse().status == 200
+        conn.close()
+        return ok
+    except OSError:
+        return False
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+class _Stop(Exception):
+    """Ctrl-C or SIGTERM."""
+
+
+class Stack:
+    """Child processes started in order and stopped in reverse order."""
+
+    def __init__(self) -> None:
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.children.append((name, proc))
+        return proc
+
+    def wait_until(self, name: str, check, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        proc = dict(self.children)[name]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} while starting")
+            if check():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} was not ready after {timeout:.0f} s")
+
+    def failed(self) -> str | None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                return f"{name} exited with code {proc.returncode}"
+        return None
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.children):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc in reversed(self.children):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model]
+    if args.served_model_name:
+        flags += ["--served-model-name", *args.served_model_name]
+    for name in ("max_model_len", "chat_template", "reasoning_parser", "tool_call_parser", "default_chat_template_kwargs"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    if args.enable_auto_tool_choice:
+        flags.append("--enable-auto-tool-choice")
+    return flags
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import assets
+
+    if not args.model:
+        args.model = str(assets.fetch("qwen3"))
+    derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level]
+    stack = Stack()
+
+    def on_signal(signum, _frame):
+        raise _Stop()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        producer = args.producer
+        if producer is None:
+            sim_port = free_port()
+            stack.start("simulator", [*derender, "sim", "--model", args.model, "--port", str(sim_port), *args.sim_arg])
+            stack.wait_until("simulator", lambda: _http_ok("127.0.0.1", sim_port, "/health"), 60)
+            producer = f"http://127.0.0.1:{sim_port}"
+        producer_host, producer_port = envoy_config.split_url(producer)
+
+        filter_port = args.filter_port or free_port()
+        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer])
+        stack.wait_until("filter", lambda: _tcp_open("127.0.0.1", filter_port), 180)
+
+        config = envoy_config.render(
+            LISTEN_PORT=args.port,
+            ADMIN_PORT=free_port(),
+            FILTER_PORT=filter_port,
+            PRODUCER_HOST=producer_host,
+            PRODUCER_PORT=producer_port,
+        )
+        config_file = Path(tempfile.mkdtemp(prefix="derender-")) / "envoy.yaml"
+        config_file.write_text(config)
+        stack.start(
+            "envoy",
+            [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn"],
+        )
+        stack.wait_until("envoy", lambda: _http_ok("127.0.0.1", args.port, "/health"), 30)
+        print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 (producer {producer})", flush=True)
+        while True:
+            problem = stack.failed()
+            if problem:
+                print(f"derender: {problem}; stopping", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.3)
+    except _Stop:
+        return 0
+    except RuntimeError as exc:
+        print(f"derender: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
