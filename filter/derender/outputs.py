@@ -104,7 +104,7 @@ class ChoiceOutputs:
         output = EngineCoreOutput(
             request_id=self.child_ids[index],
             new_token_ids=list(token_ids),
-            new_logprobs=self._logprobs(logprobs, token_ids) if self.num_logprobs is not None else None,
+            new_logprobs=self._logprobs(logprobs, token_ids) if self.num_logprobs is not None and token_ids else None,
             finish_reason=finish,
             stop_reason=choice.get("stop_reason"),
         )

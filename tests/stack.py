@@ -1,0 +1,181 @@
+"""Real processes for the tests: the simulator, the filter and the Envoy binary, on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from derender import envoy_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = Path(os.environ.get("DERENDER_TEST_LOGS", tempfile.gettempdir())) / "derender-test-logs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post(url: str, body: dict | bytes, timeout: float = 10, headers: dict | None = None) -> tuple[int, bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _ok(url: str) -> bool:
+    try:
+        return http_get(url, timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def _tcp(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def start(self) -> "Proc":
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log = LOGS / f"{self.name}-{os.getpid()}-{time.time_ns()}.log"
+        out = open(self.log, "wb")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def wait(self, check, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
+            if check():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+DERENDER = [sys.executable, "-m", "derender.cli"]
+
+
+def start_sim(model_dir: str, *flags: str) -> tuple[Proc, str]:
+    port = free_port()
+    sim = Proc("sim", [*DERENDER, "sim", "--model", str(model_dir), "--port", str(port), *flags]).start()
+    url = f"http://127.0.0.1:{port}"
+    sim.wait(lambda: _ok(url + "/health"), 90)
+    return sim, url
+
+
+def start_filter(model_flags: list[str], producer: str, port: int | None = None) -> tuple[Proc, int]:
+    port = port or free_port()
+    flt = Proc("filter", [*DERENDER, "serve", *model_flags, "--port", str(port), "--producer", producer]).start()
+    flt.wait(lambda: _tcp(port), 240)
+    return flt, port
+
+
+def start_envoy(filter_port: int, producer: str, **values) -> tuple[Proc, str]:
+    port = free_port()
+    host, pport = envoy_config.split_url(producer)
+    cfg = envoy_config.render(
+        LISTEN_PORT=port, ADMIN_PORT=free_port(), FILTER_PORT=filter_port, PRODUCER_HOST=host, PRODUCER_PORT=pport, **values
+    )
+    path = Path(tempfile.mkdtemp(prefix="derender-envoy-")) / "envoy.yaml"
+    path.write_text(cfg)
+    envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn"]).start()
+    base = f"http://127.0.0.1:{port}"
+    envoy.wait(lambda: _ok(base + "/health"), 60)
+    return envoy, base
+
+
+@dataclass
+class Stack:
+    """Envoy + filter + simulator; ``base_url`` is the OpenAI endpoint (``.../v1``)."""
+
+    model_dir: str
+    model_flags: list[str]
+    sim_flags: list[str] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+    sim_url: str = ""
+    envoy_url: str = ""
+    filter_port: int = 0
+
+    def start(self) -> "Stack":
+        try:
+            sim, self.sim_url = start_sim(self.model_dir, *self.sim_flags)
+            self.procs.append(sim)
+            flt, self.filter_port = start_filter(["--model", self.model_dir, *self.model_flags], self.sim_url)
+            self.procs.append(flt)
+            envoy, self.envoy_url = start_envoy(self.filter_port, self.sim_url)
+            self.procs.append(envoy)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return self.envoy_url + "/v1"
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def sim_config(self, **knobs) -> None:
+        """Set the simulator's knobs for the requests that follow."""
+        status, body = http_post(self.sim_url + "/sim/config", knobs)
+        assert status == 200, body
+
+    def sim_requests(self) -> list[dict]:
+        return json.loads(http_get(self.sim_url + "/sim/requests")[1])
+
+    def sim_aborted(self) -> list[str]:
+        return json.loads(http_get(self.sim_url + "/sim/aborted")[1])
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()

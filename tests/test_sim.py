@@ -1,0 +1,448 @@
+"""derender.sim against vLLM 0.33.0's own models, serializers and error handlers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from tokenizers import Tokenizer
+
+from derender import sim
+
+MODELS = Path("~/.cache/derender/models").expanduser()
+QWEN = str(MODELS / "qwen3")
+QWEN_TOK = Tokenizer.from_file(f"{QWEN}/tokenizer.json")
+QWEN_EOS = 151645
+USER_TEXT = "Hello there, how are you? Ünïcödé ✓"
+CHATML = (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nfirst<|im_end|>\n"
+          f"<|im_start|>assistant\nok<|im_end|>\n<|im_start|>user\n{USER_TEXT}<|im_end|>\n"
+          f"<|im_start|>assistant\n")
+PROMPT = QWEN_TOK.encode(CHATML, add_special_tokens=False).ids
+ANSWER = QWEN_TOK.encode(USER_TEXT, add_special_tokens=False).ids + [QWEN_EOS]
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    """vLLM's protocol, serving helpers and a FastAPI app with its real router and error
+    handlers (validation runs before the handler, so no engine is needed)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient as FastAPIClient
+    from vllm.entrypoints.scale_out.token_in_token_out import api_router, protocol, serving
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.exceptions import GenerationError, VLLMValidationError
+    from vllm.logprobs import append_logprobs_for_next_position
+
+    app = FastAPI()
+    app.include_router(api_router.router)
+    init_exception_handler(app)
+    app.state.args = argparse.Namespace(log_error_stack=False)
+    return argparse.Namespace(
+        p=protocol, serving=serving, oracle=FastAPIClient(app), ErrorResponse=ErrorResponse,
+        create_error_response=create_error_response, GenerationError=GenerationError,
+        VLLMValidationError=VLLMValidationError, append_logprobs=append_logprobs_for_next_position)
+
+
+def run(app, fn):
+    async def go():
+        async with TestClient(TestServer(app)) as client:
+            return await fn(client)
+    return asyncio.run(go())
+
+
+def body(**kw):
+    sp = kw.pop("sampling_params", {})
+    return {"token_ids": PROMPT, "sampling_params": sp, **kw}
+
+
+async def stream(client, payload, headers=None):
+    """POST a streaming request; return (response, list of raw `data:` payloads)."""
+    resp = await client.post("/inference/v1/generate", json=payload, headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+    text = (await resp.read()).decode()
+    frames = text.split("\n\n")
+    assert frames[-1] == "" and all(f.startswith("data: ") for f in frames[:-1])
+    return resp, [f[len("data: "):] for f in frames[:-1]]
+
+
+def check_stream_bytes(vllm, events):
+    """Every event re-serializes byte-identically the way vLLM's generator dumps it."""
+    assert events[-1] == "[DONE]"
+    parsed = []
+    for raw in events[:-1]:
+        chunk = vllm.p.GenerateTokensStreamResponse.model_validate_json(raw)
+        if chunk.choices:
+            exclude = {n for n in ("prompt_token_ids", "mm_placeholders", "metrics")
+                       if getattr(chunk, n) is None}
+            assert chunk.model_dump_json(exclude=exclude) == raw
+            assert len(chunk.choices) == 1
+        else:
+            assert chunk.model_dump_json(exclude_none=True) == raw
+        parsed.append(chunk)
+    return parsed
+
+
+def tokens_by_choice(chunks):
+    out: dict[int, list[int]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            out.setdefault(ch.index, []).extend(ch.token_ids)
+    return out
+
+
+def test_echo_stream_matches_vllm(vllm):
+    async def go(client):
+        return await stream(client, body(stream=True, stream_options={"include_usage": True}),
+                            headers={"X-Request-Id": "abc"})
+    _, events = run(sim.build_app(QWEN), go)
+    chunks = check_stream_bytes(vllm, events)
+    assert all(c.request_id == "generate-tokens-abc" for c in chunks)
+    token_chunks, usage = chunks[:-1], chunks[-1]
+    assert [len(c.choices[0].token_ids) for c in token_chunks] == [1] * len(ANSWER)
+    assert tokens_by_choice(token_chunks) == {0: ANSWER}
+    assert QWEN_TOK.decode(ANSWER[:-1]) == USER_TEXT
+    assert [c.choices[0].finish_reason for c in token_chunks][-2:] == [None, "stop"]
+    assert token_chunks[-1].choices[0].stop_reason is None
+    assert all(c.usage is None and c.prompt_token_ids is None for c in token_chunks)
+    assert usage.choices == [] and usage.usage.completion_tokens == len(ANSWER)
+    assert usage.usage.prompt_tokens == len(PROMPT)
+
+
+def test_nonstream_body_matches_vllm(vllm):
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(
+            request_id="rid", return_token_ids=True, sampling_params={"max_tokens": 3}))
+        assert resp.status == 200 and resp.content_type == "application/json"
+        return await resp.text()
+    raw = run(sim.build_app(QWEN), go)
+    res = vllm.p.GenerateTokensResponse.model_validate_json(raw)
+    # Starlette JSONResponse rendering of res.model_dump()
+    assert json.dumps(res.model_dump(), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")) == raw
+    assert res.request_id == "generate-tokens-rid" and res.prompt_token_ids == PROMPT
+    (choice,) = res.choices
+    assert choice.token_ids == ANSWER[:3] and choice.finish_reason == "length"
+    assert res.usage.completion_tokens == 3 and res.usage.total_tokens == len(PROMPT) + 3
+
+
+def test_n_round_robin_and_continuous_usage(vllm):
+    async def go(client):
+        return await stream(client, body(
+            stream=True, return_token_ids=True, sampling_params={"n": 3, "max_tokens": 5},
+            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    _, events = run(sim.build_app(QWEN, tokens_per_event=2), go)
+    chunks = check_stream_bytes(vllm, events)
+    token_chunks = chunks[:-1]
+    assert [c.choices[0].index for c in token_chunks] == [0, 1, 2] * 3
+    assert [len(c.choices[0].token_ids) for c in token_chunks] == [2] * 6 + [1] * 3
+    assert tokens_by_choice(token_chunks) == {i: ANSWER[:5] for i in range(3)}
+    assert token_chunks[0].prompt_token_ids == PROMPT
+    assert all(c.prompt_token_ids is None for c in chunks[1:])
+    assert [c.usage.completion_tokens for c in token_chunks] == [2] * 3 + [4] * 3 + [5] * 3
+    finals = [c.choices[0] for c in token_chunks[-3:]]
+    assert all(ch.finish_reason == "length" and ch.stop_reason is None for ch in finals)
+    assert chunks[-1].usage.completion_tokens == 15
+
+
+def test_continuous_usage_needs_include_usage(vllm):
+    async def go(client):
+        return await stream(client, body(stream=True,
+                                         stream_options={"continuous_usage_stats": True}))
+    _, events = run(sim.build_app(QWEN), go)
+    chunks = check_stream_bytes(vllm, events)
+    assert all(c.usage is None and c.choices for c in chunks)
+
+
+def write_script(tmp_path, *lines):
+    path = tmp_path / "script.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return str(path)
+
+
+def test_script_chunks_finish_tail_and_reuse(vllm, tmp_path):
+    script = write_script(tmp_path, {"index": 0, "token_ids": [5, 6, 7, 8, 9, 10],
+                                     "finish_reason": "stop", "stop_reason": 10,
+                                     "chunks": [1, 3]})
+
+    async def go(client):
+        return await stream(client, body(stream=True, sampling_params={"n": 2}))
+    def app():
+        return sim.build_app(QWEN, mode="script", script=script, tokens_per_event=2,
+                             finish_only_tail=True)
+    _, events = run(app(), go)
+    chunks = check_stream_bytes(vllm, events)
+    sizes = [(c.choices[0].index, c.choices[0].token_ids) for c in chunks]
+    assert sizes == [(0, [5]), (1, [5]), (0, [6, 7, 8]), (1, [6, 7, 8]),
+                     (0, [9, 10]), (1, [9, 10]), (0, []), (1, [])]
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks[-2:]] == \
+        [("stop", 10)] * 2
+    # the script is re-read on every request
+    Path(script).write_text(json.dumps({"token_ids": [1, 2], "finish_reason": "length"}))
+    _, events = run(app(), go)
+    assert tokens_by_choice(check_stream_bytes(vllm, events)) == {0: [1, 2], 1: [1, 2]}
+
+
+def test_nonstream_n_choices_in_index_order(vllm, tmp_path):
+    script = write_script(tmp_path, {"index": 1, "token_ids": [7, 8], "finish_reason": "stop",
+                                     "stop_reason": "</s>"}, {"index": 0, "token_ids": [3]})
+
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(
+            sampling_params={"n": 3, "logprobs": 0}))
+        return await resp.text()
+    raw = run(sim.build_app(QWEN, mode="script", script=script), go)
+    res = vllm.p.GenerateTokensResponse.model_validate_json(raw)
+    assert json.dumps(res.model_dump(), separators=(",", ":"), ensure_ascii=False) == raw
+    assert [(c.index, c.token_ids, c.stop_reason) for c in res.choices] == \
+        [(0, [3], None), (1, [7, 8], "</s>"), (2, [7, 8], "</s>")]
+    assert res.usage.completion_tokens == 5
+    assert [len(c.logprobs.content) for c in res.choices] == [1, 2, 2]
+
+
+def test_stop_token_ids_cut_answer(vllm):
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(
+            sampling_params={"stop_token_ids": [ANSWER[2]], "max_tokens": 2}))
+        return vllm.p.GenerateTokensResponse.model_validate_json(await resp.text())
+    (choice,) = run(sim.build_app(QWEN), go).choices
+    assert choice.token_ids == ANSWER[:2] and choice.finish_reason == "length"
+
+    async def go2(client):
+        resp = await client.post("/inference/v1/generate", json=body(
+            sampling_params={"stop_token_ids": [ANSWER[2]], "max_tokens": 3}))
+        return vllm.p.GenerateTokensResponse.model_validate_json(await resp.text())
+    (choice,) = run(sim.build_app(QWEN), go2).choices  # the stop token beats the cap
+    assert choice.token_ids == ANSWER[:3] and choice.finish_reason == "stop"
+    assert choice.stop_reason == ANSWER[2]
+
+
+def test_random_chunking_is_seeded(vllm):
+    async def go(client):
+        return await stream(client, body(stream=True))
+    sizes = []
+    for _ in range(2):
+        _, events = run(sim.build_app(QWEN, tokens_per_event="random:7"), go)
+        chunks = check_stream_bytes(vllm, events)
+        assert tokens_by_choice(chunks) == {0: ANSWER}
+        sizes.append([len(c.choices[0].token_ids) for c in chunks])
+    assert sizes[0] == sizes[1] and set(sizes[0]) - {1, 2, 3, 4} == set()
+    assert len(set(sizes[0])) > 1
+
+
+def engine_logprobs(vllm, token_ids, steps, k):
+    """vLLM's own path: engine (sampled + top-k) arrays -> Logprob dicts ->
+    ServingTokens._create_tokens_logprobs."""
+    per_position = []
+    for tok, (lp, rank, top) in zip(token_ids, steps):
+        ids = [tok] + [t for t, _ in top[:k]]
+        lps = [lp] + [v for _, v in top[:k]]
+        vllm.append_logprobs(per_position, ids, lps, [None] * len(ids), rank, k)
+    return vllm.serving.ServingTokens._create_tokens_logprobs(None, token_ids, per_position)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_logprobs_engine_order(vllm, tmp_path, k):
+    tops = [[[5, -0.1], [9, -1.5], [8, -2.0]], [[3, -0.2], [6, -0.9], [4, -3.0]],
+            [[1, -0.01], [2, -0.5], [7, -1.25]]]
+    steps = [(-0.1, 1, tops[0]), (-0.9, 2, tops[1]), (-4.0, 9, tops[2])]
+    script = write_script(tmp_path, {"token_ids": [5, 6, 7], "logprobs": [
+        {"logprob": lp, "top": top} for lp, _, top in steps[:2]] + [
+        {"logprob": -4.0, "rank": 9, "top": tops[2]}]})
+
+    async def go(client):
+        _, events = await stream(client, body(stream=True, sampling_params={"logprobs": k}))
+        resp = await client.post("/inference/v1/generate",
+                                 json=body(sampling_params={"logprobs": k}))
+        return events, await resp.text()
+    events, raw = run(sim.build_app(QWEN, mode="script", script=script), go)
+    chunks = check_stream_bytes(vllm, events)
+    expected = engine_logprobs(vllm, [5, 6, 7], steps, k)
+    content = [e for c in chunks for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in content] == [e.model_dump() for e in expected.content]
+    full = vllm.p.GenerateTokensResponse.model_validate_json(raw)
+    assert full.choices[0].logprobs == expected
+
+
+def test_fake_logprobs_shape(vllm):
+    async def go(client):
+        _, events = await stream(client, body(stream=True, sampling_params={"logprobs": 1}))
+        return events
+    chunks = check_stream_bytes(vllm, run(sim.build_app(QWEN, finish_only_tail=True), go))
+    content = [e for c in chunks for e in c.choices[0].logprobs.content]
+    assert [e.token_id for e in content] == ANSWER
+    for pos, e in enumerate(content):
+        assert e.top_logprobs[0].token_id == e.token_id  # sampled first
+        assert len(e.top_logprobs) == (2 if pos % 3 == 2 else 1)  # k+1 when not in top k
+        assert e.rank == (2 if pos % 3 == 2 else 1)
+    tail = chunks[-1].choices[0]
+    assert tail.token_ids == [] and tail.logprobs.content == []
+
+
+def test_logprobs_over_max(vllm):
+    async def go(client):
+        _, events = await stream(client, body(stream=True, sampling_params={"logprobs": 21}))
+        resp = await client.post("/inference/v1/generate",
+                                 json=body(sampling_params={"logprobs": 21}))
+        return events, resp.status, await resp.text()
+    events, status, raw = run(sim.build_app(QWEN), go)
+    err = vllm.create_error_response(vllm.VLLMValidationError(
+        "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        parameter="logprobs", value=21))
+    assert events == [json.dumps(err.model_dump()), "[DONE]"]
+    assert status == 400 and raw == err.model_dump_json()
+
+
+def test_error_after(vllm):
+    async def go(client):
+        _, events = await stream(client, body(stream=True, stream_options={
+            "include_usage": True}))
+        resp = await client.post("/inference/v1/generate", json=body())
+        return events, resp.status, await resp.text()
+    events, status, raw = run(sim.build_app(QWEN, error_after=2), go)
+    err = vllm.create_error_response(vllm.GenerationError())
+    check_stream_bytes(vllm, events[:2] + ["[DONE]"])
+    assert events[2:] == [json.dumps(err.model_dump()), "[DONE]"]  # json.dumps spacing
+    assert status == 500 and raw == err.model_dump_json()
+
+
+def test_http_error(vllm):
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(stream=True))
+        return resp.status, await resp.text()
+    status, raw = run(sim.build_app(QWEN, http_error=503), go)
+    err = vllm.ErrorResponse.model_validate_json(raw)
+    assert status == 503 and err.model_dump_json() == raw
+    assert (err.error.code, err.error.type) == (503, "ServiceUnavailableError")
+
+
+BAD_BODIES = [
+    '{"sampling_params":{}}', '{"token_ids":[],"sampling_params":{}}',
+    '{"token_ids":[1,-2],"sampling_params":{}}', '{"token_ids":[1]}', '{}',
+    '{"token_ids":[1],"sampling_params":{"n":0}}',
+    '{"token_ids":[1],"sampling_params":{"max_tokens":0}}',
+    '{"token_ids":[1],"sampling_params":{"logprobs":-3}}',
+    '{"token_ids":[],"sampling_params":{"max_tokens":0}}',
+    '{"token_ids":"abc","sampling_params":{}}', '{"token_ids":[1,"x"],"sampling_params":{}}',
+    '{"token_ids":[1],"sampling_params":{"n":"x"}}', '{"token_ids":[1],"sampling_params":3}',
+    '{"token_ids":[1],"sampling_params":[]}', '{"token_ids":[1],"sampling_params":{"n":null}}',
+    '{"token_ids":[1],"sampling_params":{"max_tokens":"a","logprobs":null}}', '',
+    'nope', '[1]',
+]
+
+
+def test_validation_errors_match_vllm(vllm):
+    async def go(client):
+        out = []
+        for raw in BAD_BODIES:
+            resp = await client.post("/inference/v1/generate", data=raw, headers=JSON)
+            out.append((resp.status, await resp.text()))
+        resp = await client.post("/inference/v1/generate", data="{}",
+                                 headers={"content-type": "text/plain"})
+        out.append((resp.status, await resp.text()))
+        return out
+    got = run(sim.build_app(QWEN), go)
+    want = [vllm.oracle.post("/inference/v1/generate", content=raw, headers=JSON)
+            for raw in BAD_BODIES]
+    want.append(vllm.oracle.post("/inference/v1/generate", content="{}",
+                                 headers={"content-type": "text/plain"}))
+    for raw, (status, text), expected in zip(BAD_BODIES + ["text/plain"], got, want):
+        assert (status, text) == (expected.status_code, expected.text), raw
+
+
+def test_abort(vllm):
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", headers={"X-Request-Id": "a1"},
+                                 json=body(stream=True, sampling_params={"n": 2},
+                                           stream_options={"include_usage": True}))
+        first = await resp.content.readuntil(b"\n\n")
+        bad = await client.post("/inference/v1/abort_requests", json={"ids": []})
+        ok = await client.post("/inference/v1/abort_requests",
+                               json={"request_ids": ["a1", "generate-tokens-a1"]})
+        assert (bad.status, ok.status, await ok.text()) == (400, 200, "")
+        rest = (await resp.read()).decode()
+        aborted = await (await client.get("/sim/aborted")).json()
+        return [first.decode()[6:-2]] + [f[6:] for f in rest.split("\n\n")[:-1]], aborted
+    events, aborted = run(sim.build_app(QWEN, delay=0.2), go)
+    chunks = check_stream_bytes(vllm, events)
+    assert aborted == ["a1", "generate-tokens-a1"]
+    tails = [c.choices[0] for c in chunks[-3:-1]]
+    assert [(t.index, t.finish_reason, t.token_ids) for t in tails] == \
+        [(0, "abort", []), (1, "abort", [])]
+    assert chunks[-1].usage.completion_tokens == sum(
+        len(c.choices[0].token_ids) for c in chunks[:-1])
+
+
+def test_abort_non_stream(vllm):
+    async def go(client):
+        task = asyncio.create_task(client.post("/inference/v1/generate", json=body(
+            request_id="q"), headers={}))
+        await asyncio.sleep(0.25)
+        await client.post("/inference/v1/abort_requests",
+                          json={"request_ids": ["generate-tokens-q"]})
+        resp = await task
+        return await resp.text()
+    res = vllm.p.GenerateTokensResponse.model_validate_json(
+        run(sim.build_app(QWEN, delay=0.1), go))
+    (choice,) = res.choices
+    assert choice.finish_reason == "abort" and 0 < len(choice.token_ids) < len(ANSWER)
+
+
+def test_disconnect_and_per_event_writes():
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(
+            stream=True, request_id="d1"))
+        pieces = []
+        async for piece in resp.content.iter_any():
+            pieces.append(piece)
+            if len(pieces) == 3:
+                break
+        resp.close()
+        for _ in range(50):
+            gone = await (await client.get("/sim/disconnected")).json()
+            if gone:
+                break
+            await asyncio.sleep(0.05)
+        seen = await (await client.get("/sim/requests")).json()
+        return pieces, gone, seen
+    pieces, gone, seen = run(sim.build_app(QWEN, delay=0.05), go)
+    assert all(p.startswith(b"data: {") and p.endswith(b"}\n\n") and p.count(b"data:") == 1
+               for p in pieces)
+    assert gone == ["generate-tokens-d1"]
+    assert seen == [body(stream=True, request_id="d1")]
+
+
+@pytest.mark.parametrize("model,prompt", [
+    ("deepseek-r1", "<｜begin▁of▁sentence｜>sys<｜User｜>{}<｜Assistant｜><think>\n"),
+    ("gpt-oss", "<|start|>user<|message|>{}<|end|><|start|>assistant"),
+    ("qwen3", "no template here: {}"),
+])
+def test_echo_other_templates(vllm, model, prompt):
+    folder = str(MODELS / model)
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    ids = tok.encode(prompt.format("Echo me, please"), add_special_tokens=False).ids
+
+    async def go(client):
+        resp = await client.post("/inference/v1/generate", json=body(token_ids=ids))
+        return vllm.p.GenerateTokensResponse.model_validate_json(await resp.text())
+    (choice,) = run(sim.build_app(folder), go).choices
+    eos = json.loads(Path(folder, "config.json").read_text())["eos_token_id"]
+    assert choice.token_ids[-1] == eos
+    assert tok.decode(choice.token_ids[:-1]).endswith("Echo me, please")
+
+
+def test_cli_arguments():
+    parser = argparse.ArgumentParser()
+    sim.add_arguments(parser)
+    args = parser.parse_args(["--model", QWEN, "--tokens-per-event", "random:3",
+                              "--finish-only-tail", "--error-after", "4"])
+    assert (args.host, args.port, args.mode, args.delay) == ("127.0.0.1", 8100, "echo", 0.0)
+    assert args.tokens_per_event == "random:3" and args.finish_only_tail
+    assert args.error_after == 4 and args.http_error is None
