@@ -127,7 +127,7 @@ def start_envoy(filter_port: int, producer: str, **values) -> tuple[Proc, str]:
     )
     path = Path(tempfile.mkdtemp(prefix="derender-envoy-")) / "envoy.yaml"
     path.write_text(cfg)
-    envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn"]).start()
+    envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn", "--disable-hot-restart"]).start()
     base = f"http://127.0.0.1:{port}"
     envoy.wait(lambda: _ok(base + "/health"), 60)
     return envoy, base

@@ -22,9 +22,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
 from .chat import ChatExchange, ResponseStart, Rewrite
-from .errors import HTTPError, dumps
+from .errors import HTTPError
 from .model import Model
 from .producer import Producer
+from .routes import Reply, Router
 
 log = logging.getLogger("derender.extproc")
 
@@ -75,32 +76,9 @@ def _error(exc: HTTPError) -> pb.ProcessingResponse:
     return immediate(exc.status, exc.body())
 
 
+
 def _body_mutation(body: bytes) -> pb.BodyMutation:
     return pb.BodyMutation(body=body) if body else pb.BodyMutation(clear_body=True)
-
-
-class Router:
-    """Which endpoint a request is for, and the answers the filter gives itself."""
-
-    def __init__(self, model: Model, producer: Producer) -> None:
-        self.model = model
-        self.producer = producer
-
-    async def route(self, headers: dict[str, str], end_of_stream: bool) -> ChatExchange | pb.ProcessingResponse:
-        method = headers.get(":method", "GET")
-        path = headers.get(":path", "/").split("?", 1)[0]
-        if path == "/v1/chat/completions":
-            if method != "POST":
-                return _error(HTTPError(405, f"Method {method} not allowed for {path}"))
-            if end_of_stream:
-                return _error(HTTPError(400, "The request body is empty: a JSON chat completion request is required"))
-            return ChatExchange(self.model, self.producer, headers.get("x-request-id"))
-        if path in ("/health", "/ping") and method == "GET":
-            return immediate(200, b"")
-        if path == "/v1/models" and method == "GET":
-            models = await self.model.registry.show_available_models()
-            return immediate(200, dumps(models.model_dump()))
-        return _error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -117,9 +95,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
                     routed = await self.router.route(_header_map(message.request_headers), message.request_headers.end_of_stream)
-                    if isinstance(routed, pb.ProcessingResponse):
+                    if isinstance(routed, Reply):
                         complete = True
-                        yield routed
+                        yield immediate(routed.status, routed.body, routed.content_type)
                         return
                     exchange = routed
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -79,6 +80,9 @@ class Model:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         self.spec = spec
+        if (Path(spec.model) / "o200k_base.tiktoken").is_file():
+            # gpt-oss: openai-harmony reads its encoding from here, never from a hub.
+            os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(Path(spec.model).resolve()))
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(spec.vllm_argv())
         engine_args = AsyncEngineArgs.from_cli_args(args)
         model_config = engine_args.create_model_config()

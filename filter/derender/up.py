@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         config_file.write_text(config)
         stack.start(
             "envoy",
-            [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn"],
+            [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"],
         )
         stack.wait_until("envoy", lambda: _http_ok("127.0.0.1", args.port, "/health"), 30)
         print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 (producer {producer})", flush=True)

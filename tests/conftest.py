@@ -1,0 +1,81 @@
+"""Shared fixtures: real tokenizers, and real processes (simulator, filter, Envoy) on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+from derender import assets  # noqa: E402
+
+from stack import Stack  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir() -> str:
+    return str(assets.fetch("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir() -> str:
+    return str(assets.fetch("deepseek-r1"))
+
+
+@pytest.fixture(scope="session")
+def gptoss_dir() -> str:
+    return str(assets.fetch("gpt-oss"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(f"{qwen3_dir}/tokenizer.json")
+
+
+class Script:
+    """The simulator's JSONL script: what the "GPU" answers next."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.write_text("")
+
+    def set(self, *choices: dict) -> None:
+        self.path.write_text("".join(json.dumps(c) + "\n" for c in choices))
+
+
+@pytest.fixture(scope="session")
+def script(tmp_path_factory) -> Script:
+    return Script(tmp_path_factory.mktemp("sim") / "script.jsonl")
+
+
+@pytest.fixture(scope="session")
+def plain_stack(qwen3_dir, script):
+    """Qwen3 without parsers: Envoy + filter + simulator (script mode)."""
+    s = Stack(
+        qwen3_dir,
+        ["--served-model-name", "qwen3", "--max-model-len", "4096"],
+        ["--mode", "script", "--script", str(script.path)],
+    ).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def sim(plain_stack):
+    """Default knobs before and after each test."""
+    defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
+    plain_stack.sim_config(**defaults)
+    yield plain_stack
+    plain_stack.sim_config(**defaults)
+
+
+@pytest.fixture()
+def client(plain_stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=plain_stack.base_url, api_key="unused", max_retries=0, timeout=60)

@@ -1,0 +1,222 @@
+"""Streaming chat completions end to end: the openai SDK -> real Envoy 1.40 -> filter -> simulator.
+
+Expected text always comes from the tokenizer decoding the whole token sequence,
+never from the filter's own output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from stack import http_get
+
+IM_END = 151645
+TEXT = "Robot: 🤖 done. 你好，世界！Ünïcödé ✓ — naïve café 🧑‍🚀🚀"
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[6:]
+            events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def stream_text(client, **kw) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}], stream=True, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_echo_mode_plain_ascii(sim, client, qwen3_tokenizer):
+    sim.sim_config(mode="echo")
+    message = "The quick brown fox jumps over the lazy dog, 12 times."
+    chunks = list(client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": message}], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == qwen3_tokenizer.decode(encode(qwen3_tokenizer, message))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_multibyte_characters_are_split_across_tokens(qwen3_tokenizer):
+    """Precondition for the next test: some tokens are incomplete UTF-8 on their own."""
+    ids = encode(qwen3_tokenizer, TEXT)
+    assert any("\ufffd" in qwen3_tokenizer.decode([t]) for t in ids)
+
+
+@pytest.mark.parametrize("tokens_per_event", [1, 2, 3, "random:7"])
+@pytest.mark.parametrize("split_writes", [1, 5])
+def test_cjk_and_emoji_across_events_and_writes(sim, client, script, qwen3_tokenizer, tokens_per_event, split_writes):
+    ids = encode(qwen3_tokenizer, TEXT)
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    sim.sim_config(tokens_per_event=tokens_per_event, split_writes=split_writes)
+    text, chunks = stream_text(client)
+    assert text == qwen3_tokenizer.decode(ids)
+    assert all("\ufffd" not in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_non_streaming(sim, client, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, TEXT)
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    r = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}])
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.content == qwen3_tokenizer.decode(ids)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(ids) + 1
+    prompt = sim.sim_requests()[-1]["token_ids"]
+    assert r.usage.prompt_tokens == len(prompt)
+
+
+def test_framing_role_usage_and_done(sim, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "Hello there")
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(ids) + 1
+    finals = [e for e in events[1:-2] if e["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "stop"
+    assert "<|im_end|>" not in "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-2])
+
+
+def test_finish_only_tail_and_length(sim, client, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "one two three four five")
+    script.set({"index": 0, "token_ids": ids, "finish_reason": "length", "stop_reason": None})
+    sim.sim_config(finish_only_tail=True)
+    text, chunks = stream_text(client)
+    assert text == qwen3_tokenizer.decode(ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_max_tokens_cuts_the_answer(sim, client, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "one two three four five six seven")
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    text, chunks = stream_text(client, max_tokens=3)
+    assert text == qwen3_tokenizer.decode(ids[:3])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert sim.sim_requests()[-1]["sampling_params"]["max_tokens"] == 3
+
+
+# -- bad input: an OpenAI error with the right status, nothing forwarded -----------------
+def _post_raw(stack, data: bytes, headers=None) -> httpx.Response:
+    return httpx.post(stack.base_url + "/chat/completions", content=data, headers={"content-type": "application/json", **(headers or {})}, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "data, status",
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (json.dumps({"model": "qwen3"}).encode(), 400),  # no messages
+        (json.dumps({"model": "qwen3", "messages": "hi"}).encode(), 400),
+        (json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}).encode(), 400),
+        (json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(), 400),
+        (json.dumps({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}).encode(), 404),
+        (json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400),
+    ],
+    ids=["invalid-json", "not-an-object", "no-messages", "messages-wrong-type", "wrong-type", "n-zero", "unknown-model", "prompt-too-long"],
+)
+def test_bad_input_is_refused_before_the_producer(sim, data, status):
+    before = len(sim.sim_requests())
+    r = _post_raw(sim, data)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    assert len(sim.sim_requests()) == before
+
+
+def test_unknown_model_message_matches_vllm(sim, client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    assert "gpt-4" in str(info.value)
+
+
+def test_producer_endpoint_is_not_exposed(sim):
+    before = len(sim.sim_requests())
+    r = httpx.post(sim.envoy_url + "/inference/v1/generate", json={"token_ids": [1, 2, 3]}, timeout=10)
+    assert r.status_code == 404
+    assert "error" in r.json()
+    assert len(sim.sim_requests()) == before
+
+
+def test_models_and_health(sim, client):
+    assert [m.id for m in client.models.list().data] == ["qwen3"]
+    assert http_get(sim.envoy_url + "/health")[0] == 200
+
+
+# -- producer faults ------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [True, False])
+def test_producer_http_error_keeps_its_status(sim, client, script, qwen3_tokenizer, stream):
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "x") + [IM_END]})
+    sim.sim_config(http_error=503)
+    with pytest.raises(openai.APIStatusError) as info:
+        r = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}], stream=stream)
+        if stream:
+            list(r)
+    assert info.value.status_code == 503
+    assert info.value.body and "message" in info.value.body
+
+
+def test_producer_error_mid_stream(sim, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    sim.sim_config(error_after=3)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == 500 and error["message"]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-2])
+    assert text == qwen3_tokenizer.decode(ids[:3])
+
+
+def test_producer_unreachable(qwen3_dir):
+    from stack import free_port, start_envoy, start_filter
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3"], dead)
+    try:
+        envoy, base = start_envoy(port, dead)
+        try:
+            r = httpx.post(base + "/v1/chat/completions", json={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert r.status_code == 503
+            assert r.json()["error"]["code"] == 503
+        finally:
+            envoy.stop()
+    finally:
+        flt.stop()
+
+
+def test_client_disconnect_aborts_the_producer_request(sim, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "word " * 300)
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    sim.sim_config(delay=0.02)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        next(lines)
+    request_id = first["id"].removeprefix("chatcmpl-")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and f"generate-tokens-{request_id}" not in sim.sim_aborted():
+        time.sleep(0.1)
+    assert f"generate-tokens-{request_id}" in sim.sim_aborted()
