@@ -52,7 +52,8 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        # Children log to stderr: stdout carries only the "ready" line.
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
         self.children.append((name, proc))
         return proc
 

@@ -1,0 +1,82 @@
+"""`derender up`, run exactly as the README tells a user to run it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from openai import OpenAI
+
+from stack import LOGS, free_port, start_sim
+
+BIN = Path(sys.executable).parent
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_up_with_an_external_producer_then_sigterm(qwen3_dir, qwen3_tokenizer):
+    sim, producer = start_sim(qwen3_dir)  # echo mode
+    port = free_port()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"up-{os.getpid()}.log", "w+")
+    up = subprocess.Popen(
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--served-model-name", "qwen3", "--producer", producer, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    try:
+        ready = up.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in ready, (ready, log.seek(0) or log.read()[-3000:])
+        children = _children(up.pid)
+        assert len(children) >= 2  # filter + Envoy (the producer is external)
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        message = "Robot: 🤖 done"
+        stream = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": message}], stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text == qwen3_tokenizer.decode(qwen3_tokenizer.encode(message, add_special_tokens=False).ids)
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+            time.sleep(0.2)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if up.poll() is None:
+            up.kill()
+        sim.stop()
+        log.close()
+
+
+def test_up_starts_the_simulator_by_default(qwen3_dir):
+    port = free_port()
+    up = subprocess.Popen(
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert f"http://127.0.0.1:{port}/v1" in up.stdout.readline()
+        assert len(_children(up.pid)) >= 3  # simulator + filter + Envoy
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "ping"}])
+        assert r.choices[0].message.content == "ping"
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
