@@ -220,3 +220,21 @@ def test_client_disconnect_aborts_the_producer_request(sim, script, qwen3_tokeni
     while time.monotonic() < deadline and f"generate-tokens-{request_id}" not in sim.sim_aborted():
         time.sleep(0.1)
     assert f"generate-tokens-{request_id}" in sim.sim_aborted()
+
+
+def test_echo_repeats_the_final_assistant_message(sim, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, " a time")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    body = {
+        "model": "qwen3",
+        "messages": [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "echo": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=30) as r:
+        events = sse_events(r)
+    contents = [e["choices"][0]["delta"].get("content") for e in events[1:-1]]
+    assert contents[0] == "Once upon"
+    assert "".join(c or "" for c in contents) == "Once upon" + qwen3_tokenizer.decode(ids)

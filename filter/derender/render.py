@@ -31,6 +31,7 @@ class Rendered:
     params: Any  # vLLM SamplingParams as the client asked (stop strings included)
     body: bytes  # JSON for POST /inference/v1/generate
     chat_template_kwargs: dict[str, Any]
+    conversation: list[Any]  # the rendered messages; only needed for ``echo``
 
     @property
     def stream(self) -> bool:
@@ -56,6 +57,9 @@ async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Ren
         raise from_exception(exc) from None
     if not hasattr(result, "token_ids"):
         raise HTTPError.from_vllm(result)
+    conversation: list[Any] = []
+    if request.echo:  # the coupled server echoes the last message from its conversation
+        conversation = (await model.online_renderer.render_chat(request))[0]
     return Rendered(
         request=request,
         request_id=result.request_id,
@@ -63,6 +67,7 @@ async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Ren
         params=result.sampling_params,
         body=producer_body(result),
         chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
+        conversation=conversation,
     )
 
 
