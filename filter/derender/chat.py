@@ -13,12 +13,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from . import logs, metrics
 from .derender import ChatStream, chat_completion
-from .errors import HTTPError, error_body
+from .errors import HTTPError, error_body, from_exception
 from .model import Model
 from .producer import GENERATE_PATH, Producer
 from .render import Rendered, render_chat
-from .sse import SSEDecoder
+from .sse import SSEDecoder, SSEError
 
 log = logging.getLogger("derender.chat")
 
@@ -42,6 +43,12 @@ class ResponseStart:
 
 
 class ChatExchange:
+    # What differs per endpoint (``completions.CompletionExchange`` swaps them).
+    render = staticmethod(render_chat)
+    stream_class = ChatStream
+    full_response = staticmethod(chat_completion)
+    endpoint = "chat"
+
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
         self.model = model
         self.producer = producer
@@ -53,10 +60,22 @@ class ChatExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self.client_status = 0  # what the client got (self.status is the producer's)
+        self.error: str | None = None  # the first failure, as metrics and the request log name it
+        self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
+        self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
 
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
-        self.rendered = await render_chat(self.model, body, self.x_request_id)
+        try:
+            self.rendered = await self.render(self.model, body, self.x_request_id)
+        except HTTPError as exc:
+            self.client_status = exc.status
+            raise
+        except Exception as exc:  # vLLM raises some validation errors (e.g. tool_choice) past pydantic
+            error = from_exception(exc)
+            self.client_status = error.status
+            raise error from None
         return Rewrite(
             body=self.rendered.body,
             path=GENERATE_PATH,
@@ -66,9 +85,11 @@ class ChatExchange:
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int) -> ResponseStart:
         assert self.rendered is not None
-        self.status = status
+        self.status = self.client_status = status
+        if status != 200:
+            self._failed(metrics.producer_error, "status")
         if status == 200 and self.rendered.stream:
-            self.stream = ChatStream(self.model, self.rendered)
+            self.stream = self.stream_class(self.model, self.rendered)
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -80,24 +101,67 @@ class ChatExchange:
         """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
-        out: list[bytes] = []
         try:
-            payloads = self._sse.feed(chunk)
+            return self._translate(stream, chunk, end)
+        except Exception:  # a bug must end this stream cleanly, never the gRPC stream
+            log.exception("stream %s failed", self.rendered.request_id if self.rendered else None)
+            self._failed(metrics.parser_error, "stream")
+            self._abort("filter error")
+            return stream.fail(500, "internal error in the filter while translating the stream")
+
+    def _translate(self, stream: ChatStream, chunk: bytes, end: bool) -> bytes:
+        out: list[bytes] = []
+        payloads: list[bytes] = []
+        bad: SSEError | None = None
+        try:
+            payloads += self._sse.feed(chunk)
             if end:
                 payloads += self._sse.close()
-        except ValueError as exc:
-            payloads = []
-            out.append(stream.fail(502, f"invalid producer stream: {exc}"))
+        except SSEError as exc:  # the events before the fault still count
+            payloads += exc.payloads
+            bad = exc
         for payload in payloads:
             data, abort = stream.feed(payload)
             out.append(data)
+            if stream.finished and not stream.outputs.done:
+                self._stream_failed(payload)
+                self._abort("stream failed")
             if abort:
                 self._abort("stop string")
+        if bad is not None and not stream.finished:
+            self._failed(metrics.parser_error, "stream")
+            out.append(stream.fail(502, f"invalid producer stream: {bad}"))
+            self._abort("invalid producer stream")
         if end:
+            if not stream.finished and not stream.outputs.done:
+                self._failed(metrics.producer_error, "incomplete")
             out.append(stream.end())
         if self._first_token is None and stream.completion_tokens:
             self._first_token = time.monotonic()
-        return b"".join(out)
+        data = b"".join(out)
+        if self._sent is not None:
+            self._sent.append(data)
+        return data
+
+    def _stream_failed(self, payload: bytes) -> None:
+        """The stream ended in an error at this producer event: whose fault was it?"""
+        if payload == b"[DONE]":
+            self._failed(metrics.producer_error, "incomplete")
+            return
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            event = None
+        if isinstance(event, dict) and "error" in event:
+            self._failed(metrics.producer_error, "error")
+        else:  # the filter could not use the event (or vLLM's output parsers failed on it)
+            self._failed(metrics.parser_error, "stream")
+
+    def _failed(self, count, kind: str) -> None:
+        """Count the exchange's first failure (``count`` is a ``metrics`` function)."""
+        if self.error is None:
+            self.error = f"{count.__name__.removesuffix('_error')}_{kind}"  # e.g. producer_status
+            count(kind)
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
@@ -105,24 +169,67 @@ class ChatExchange:
         if self.status != 200:
             return producer_error(self.status, body), None
         try:
-            return await chat_completion(self.model, self.rendered, body), None
+            out = await self.full_response(self.model, self.rendered, body)
         except HTTPError as exc:
+            # 502: the body was not a usable producer response; else the producer reported an error.
+            if exc.status == 502:
+                self._failed(metrics.parser_error, "response")
+            else:
+                self._failed(metrics.producer_error, "error")
+            self.client_status = exc.status
             return exc.body(), exc.status
+        except Exception:  # a bug must end this exchange with an error, never the gRPC stream
+            log.exception("response %s failed", self.rendered.request_id)
+            self._failed(metrics.parser_error, "response")
+            self.client_status = 500
+            return error_body(500, "internal error in the filter while translating the response"), 500
+        self._completion_tokens = _token_count(body)
+        if self._sent is not None:
+            self._sent.append(out)
+        return out, None
 
     def close(self, complete: bool) -> None:
         """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
         if self.stream is not None and not self.stream.finished and not complete:
             self._abort("client gone")
         elapsed = time.monotonic() - self._started
-        log.info(
-            "chat request_id=%s status=%s stream=%s tokens=%s complete=%s duration_ms=%.1f",
-            self.rendered.request_id if self.rendered else None,
-            self.status,
-            bool(self.rendered and self.rendered.stream),
-            self.stream.completion_tokens if self.stream else None,
-            complete,
-            elapsed * 1000,
-        )
+        ttft = self._first_token - self._started if self._first_token is not None else None
+        completion_tokens = self.stream.completion_tokens if self.stream is not None else self._completion_tokens
+        rendered = self.rendered
+        error = self.error or (None if complete else "cancelled")
+        if error is None and self.client_status >= 400:
+            error = str(self.client_status)
+        if rendered is not None:
+            metrics.chat_done(
+                OPERATIONS.get(self.endpoint, self.endpoint),
+                rendered.request.model or self.model.name,
+                prompt_tokens=len(rendered.prompt_token_ids),
+                completion_tokens=completion_tokens,
+                duration=elapsed,
+                time_to_first_token=ttft,
+                error_type=error or "",
+            )
+        fields = {
+            "request_id": rendered.request_id if rendered else None,
+            "x_request_id": self.x_request_id,
+            "model": (rendered.request.model or self.model.name) if rendered else None,
+            "status": self.client_status,
+            "stream": bool(rendered and rendered.stream),
+            "prompt_tokens": len(rendered.prompt_token_ids) if rendered else None,
+            "completion_tokens": completion_tokens,
+            "complete": complete,
+            "error": error,
+            "duration_ms": round(elapsed * 1000, 1),
+            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        }
+        if self._sent is not None and rendered is not None:
+            request = rendered.request
+            fields["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
+            sent = b"".join(self._sent)
+            fields["completion"] = (
+                logs.completion_texts_from_sse(sent) if rendered.stream else logs.completion_texts_from_json(sent)
+            )
+        log.info(self.endpoint, extra={"fields": fields})
 
     def _abort(self, why: str) -> None:
         if self._aborted or self.rendered is None:
@@ -132,6 +239,18 @@ class ChatExchange:
             self.x_request_id, self.rendered.request_id
         )
         self.producer.abort_soon(request_id, why)
+
+
+# gen_ai.operation.name for each endpoint (OpenTelemetry GenAI conventions).
+OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+
+
+def _token_count(body: bytes) -> int | None:
+    """Tokens in a non-streaming producer response (all choices)."""
+    try:
+        return sum(len(c.get("token_ids") or ()) for c in json.loads(body).get("choices") or ())
+    except (ValueError, AttributeError, TypeError):
+        return None
 
 
 def producer_request_id(x_request_id: str | None, request_id: str) -> str:

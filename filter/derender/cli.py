@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
 import sys
 
@@ -15,9 +13,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
     """Model flags, named as ``vllm serve`` names them."""
     parser.add_argument(
         "--model",
-        default=None,
-        help="folder with config.json, tokenizer.json and tokenizer_config.json"
-        + (" (default: the Qwen3 tokenizer fetched at set-up)" if default_model else ""),
+        default=os.environ.get("DERENDER_MODEL") or None,
+        help="folder with config.json, tokenizer.json and tokenizer_config.json, or a Hugging Face id "
+        "(default: $DERENDER_MODEL, else the Qwen3 tokenizer fetched at set-up)",
     )
     parser.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use (default: --model)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -44,30 +42,77 @@ def model_spec(args: argparse.Namespace):
     )
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def served(args: argparse.Namespace):
+    """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags."""
+    from .model import Model
+    from .producer import Producer
+    from .routes import Backend
+
+    if args.config:
+        from . import config
+
+        return [
+            Backend(e.names, Producer(e.producer_url), e.cluster, Model(e.spec) if e.spec else None, e.render_url)
+            for e in config.load(args.config)
+        ]
+    if args.render_url:
+        return Backend(args.served_model_name or [], Producer(args.producer), render_url=args.render_url)
+    return Model(model_spec(args))
+
+
+MODEL_FLAGS = ("model", "served_model_name", "max_model_len", "chat_template", "reasoning_parser",
+               "tool_call_parser", "enable_auto_tool_choice", "default_chat_template_kwargs", "render_url")
+
+
+def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--config`` replaces the model flags; with ``--render-url`` the render tier loads the model."""
+    if getattr(args, "config", None):
+        given = [flag for flag in MODEL_FLAGS if getattr(args, flag, None)]
+        if given:
+            parser.error(f"--config lists the models: drop --{given[0].replace('_', '-')}")
+    elif args.command == "serve" and args.render_url and args.model:
+        parser.error("--render-url: the render tier loads the model, drop --model")
+
+
+def _logging(args: argparse.Namespace) -> None:
+    from . import logs
+
+    logs.setup(args.log_level, args.log_format, getattr(args, "log_prompts", False))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .extproc import serve
-    from .model import Model
+    if args.metrics_port and args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Forked workers pool their metrics in files; set before prometheus-client is imported.
+        import atexit
+        import shutil
+        import tempfile
 
-    model = Model(model_spec(args))
-    try:
-        import uvloop
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder = tempfile.mkdtemp(prefix="derender-metrics-")
+        atexit.register(shutil.rmtree, folder, True)  # the supervisor's exit (workers leave by os._exit)
+    from . import metrics, workers
 
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve(model, args.producer, args.host, args.port))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    metrics.configure(args.metrics_host or args.host, args.metrics_port)
+    from . import auth
+
+    if auth.configure(args.api_key):
+        print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
+    _import_parser_plugins(args)
+
+    model = served(args)
+    serve = workers.filter_server(model, args.producer, args.host, args.port)
+    return workers.run(serve, args.port, args.workers)
+
+
+def _import_parser_plugins(args: argparse.Namespace) -> None:
+    """``--tool-parser-plugin`` / ``--reasoning-parser-plugin``: register parsers from a file, as vLLM does."""
+    if args.tool_parser_plugin:
+        from vllm.tool_parsers import ToolParserManager
+
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    if args.reasoning_parser_plugin:
+        from vllm.reasoning import ReasoningParserManager
+
+        ReasoningParserManager.import_reasoning_parser(args.reasoning_parser_plugin)
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
@@ -91,6 +136,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="derender", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DERENDER_LOG_LEVEL", "info"))
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=os.environ.get("DERENDER_LOG_FORMAT", "text"),
+        help="text (key=value fields) or one JSON object per line",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
@@ -98,6 +149,41 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9002, help="gRPC port Envoy connects to")
     serve.add_argument("--producer", default="http://127.0.0.1:8100", help="producer base URL (for aborts)")
+    serve.add_argument("--config", default=None, metavar="FILE", help="YAML file listing several models (replaces the model flags)")
+    serve.add_argument(
+        "--render-url",
+        default=None,
+        metavar="URL",
+        help="render-tier mode: vLLM's render server (vllm launch render) renders and derenders; no model is loaded",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="filter processes sharing the port with SO_REUSEPORT (default: the CPU count)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("DERENDER_METRICS_PORT") or 0) or None,
+        help="serve Prometheus metrics on this port at /metrics (default: none)",
+    )
+    serve.add_argument("--metrics-host", default=None, help="address for the metrics port (default: --host)")
+    serve.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="put prompt and completion text in the per-request log line (default: never logged)",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS, comma-separated)",
+    )
+    serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
+    serve.add_argument(
+        "--reasoning-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM reasoning parser"
+    )
     serve.set_defaults(func=cmd_serve)
 
     from . import sim
@@ -111,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8080, help="OpenAI endpoint port on 127.0.0.1")
     up.add_argument("--producer", default=None, help="producer base URL; without it the simulator runs")
     up.add_argument("--filter-port", type=int, default=0, help="ext_proc port (default: a free one)")
+    up.add_argument("--config", default=None, metavar="FILE", help="YAML file listing several models and their producer clusters")
+    up.add_argument("--render-url", default=None, metavar="URL", help="render-tier mode: the filter uses this vLLM render server")
+    up.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="filter processes (default: the CPU count)")
+    up.add_argument("--metrics-port", type=int, default=None, help="the filter's Prometheus metrics port (default: none)")
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.set_defaults(func=cmd_up)
 
@@ -121,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _logging(args.log_level)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_config_flags(parser, args)
+    _logging(args)
     return args.func(args)
 
 

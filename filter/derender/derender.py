@@ -37,11 +37,13 @@ class ChatStream:
     """One streaming chat completion, from producer events to client bytes."""
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
-        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
-
-        request = rendered.request
         self.outputs = ChoiceOutputs(
-            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=True
+            model.tokenizer,
+            rendered.request_id,
+            rendered.prompt_token_ids,
+            rendered.params,
+            stream=True,
+            vocab_size=model.model_config.get_vocab_size(),
         )
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
@@ -49,7 +51,14 @@ class ChatStream:
         self._queue: deque[Any] = deque()
         self._ended = False
         self._step: Any = None
-        self._agen = model.serving_chat.chat_completion_stream_generator(
+        self._agen = self._generator(model, rendered)
+
+    def _generator(self, model: Model, rendered: Rendered):
+        """vLLM's stream generator for this endpoint, fed from ``self._results()``."""
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+        request = rendered.request
+        return model.serving_chat.chat_completion_stream_generator(
             request,
             self._results(),
             rendered.request_id,
@@ -80,15 +89,16 @@ class ChatStream:
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
                 return self._fail_with_producer_error(event["error"]), False
+            check_output_mode(event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
             abort = False
             for choice in event.get("choices") or ():
-                self.completion_tokens += len(choice.get("token_ids") or ())
                 outs, stop = self.outputs.step(choice)
+                self.completion_tokens += len(choice.get("token_ids") or ())
                 self._queue.extend(outs)
                 abort |= stop
-        except (ProducerError, ValueError, KeyError, TypeError) as exc:
+        except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
         if self.outputs.done:
             self._ended = True
@@ -154,19 +164,34 @@ class ChatStream:
         return "".join(frames).encode()
 
 
+def check_output_mode(event: Any) -> None:
+    """Token ids are all the filter can use: ``output_mode`` "text" or "derender" would be rendered twice."""
+    if not isinstance(event, dict):
+        raise ProducerError("the producer's answer is not a JSON object")
+    mode = event.get("output_mode", "tokens")
+    if mode != "tokens":
+        raise ProducerError(f"producer sent output_mode {mode!r}; the filter needs 'tokens'")
+
+
 async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes) -> bytes:
     """A non-streaming producer response -> the ``chat.completion`` JSON vLLM would send."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
     try:
         response = json.loads(producer_body)
+        check_output_mode(response)
         outputs = ChoiceOutputs(
-            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=False
+            model.tokenizer,
+            rendered.request_id,
+            rendered.prompt_token_ids,
+            rendered.params,
+            stream=False,
+            vocab_size=model.model_config.get_vocab_size(),
         )
         finals = []
         for choice in response.get("choices") or ():
             finals.extend(outputs.step(choice)[0])
-    except (ProducerError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise HTTPError(502, f"invalid producer response: {exc}") from None
     if not outputs.done or len(finals) != 1:
         raise HTTPError(502, "the producer's response does not finish every choice")

@@ -11,6 +11,7 @@ before anything reaches a producer.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import AsyncIterator
 
@@ -21,8 +22,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
+from . import auth, metrics
 from .chat import ChatExchange, ResponseStart, Rewrite
-from .errors import HTTPError
+from .errors import HTTPError, from_exception
+from .health import add_health
 from .model import Model
 from .producer import Producer
 from .routes import Reply, Router
@@ -37,6 +40,17 @@ _BUFFERED_RESPONSE = processing_mode_pb2.ProcessingMode(
     response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
     request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
     response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+)
+
+
+# Envoy's own reply to a request the filter never saw the body of (e.g. 413): let it through.
+_PASS_RESPONSE = processing_mode_pb2.ProcessingMode(
+    request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+    response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
     request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
     response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
 )
@@ -89,12 +103,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
         exchange: ChatExchange | None = None
         complete = False
+        rewritten = False  # the request went on to a producer
         self.active += 1
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
-                    routed = await self.router.route(_header_map(message.request_headers), message.request_headers.end_of_stream)
+                    headers = _header_map(message.request_headers)
+                    denied = auth.check(headers)
+                    if denied is not None:  # before anything is routed, let alone sent to a producer
+                        complete = True
+                        yield _error(denied)
+                        return
+                    routed = await self.router.route(headers, message.request_headers.end_of_stream)
                     if isinstance(routed, Reply):
                         complete = True
                         yield immediate(routed.status, routed.body, routed.content_type)
@@ -108,7 +129,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         complete = True
                         yield _error(exc)
                         return
+                    except Exception as exc:  # a bug: still an OpenAI error, never a broken gRPC stream
+                        log.exception("request failed")
+                        complete = True
+                        yield _error(from_exception(exc))
+                        return
+                    if isinstance(rewrite, Reply):  # answered from the body (e.g. /tokenize)
+                        complete = True
+                        yield immediate(rewrite.status, rewrite.body, rewrite.content_type)
+                        return
+                    rewritten = True
                     yield self._request_rewrite(rewrite)
+                elif kind == "response_headers" and exchange is not None and not rewritten:
+                    # Envoy answered before the body reached the filter (413: body too large).
+                    complete = True
+                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_PASS_RESPONSE)
                 elif kind == "response_headers" and exchange is not None:
                     headers = _header_map(message.response_headers)
                     status = int(headers.get(":status", "0") or 0)
@@ -119,6 +154,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     body = message.response_body
                     if exchange.stream is not None:
                         out = exchange.response_chunk(body.body, body.end_of_stream)
+                        if inspect.isawaitable(out):  # render-tier mode calls /derender per event
+                            out = await out
                         common = pb.CommonResponse(body_mutation=_body_mutation(out))
                     else:
                         out, status = await exchange.response_body(body.body)
@@ -171,20 +208,45 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return response
 
 
-async def serve(model: Model, producer_url: str, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+class ObservedProcessor(ExternalProcessor):
+    """``ExternalProcessor`` seen from outside: per-message cost, active streams, route and status."""
+
+    async def Process(self, request_iterator, context):  # noqa: N802
+        observer = metrics.StreamObserver()
+        inner = super().Process(observer.watch(request_iterator), context)
+        try:
+            async for response in inner:
+                observer.answered(response)
+                yield response
+        finally:
+            await inner.aclose()
+            observer.close()
+
+
+async def serve(
+    model: Model,
+    producer_url: str,
+    host: str,
+    port: int,
+    ready: asyncio.Event | None = None,
+    reuse_port: bool = False,
+) -> None:
+    """Serve ext_proc on ``host:port``; ``reuse_port`` lets sibling workers bind the same port."""
     producer = Producer(producer_url)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 256 << 20),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(Router(model, producer)), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ObservedProcessor(Router(model, producer)), server)
+    await add_health(server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
+    metrics.start_server()
     log.info("ext_proc listening on %s, producer %s", address, producer_url)
     if ready is not None:
         ready.set()

@@ -42,7 +42,10 @@ class ChoiceOutputs:
         params: SamplingParams,
         *,
         stream: bool,
+        vocab_size: int | None = None,
     ) -> None:
+        # Ids the model cannot emit decode to nothing: refuse them rather than count phantom tokens.
+        self.vocab_size = vocab_size or len(tokenizer)
         params = copy(params)
         # The producer already grouped tokens by stream_interval: one event is
         # one engine step here, so no second grouping.
@@ -94,6 +97,10 @@ class ChoiceOutputs:
         if self.finished[index]:
             return [], False
         token_ids = choice.get("token_ids") or []
+        if not isinstance(token_ids, list) or not all(
+            type(t) is int and 0 <= t < self.vocab_size for t in token_ids
+        ):
+            raise ProducerError(f"producer sent token ids outside the vocabulary (size {self.vocab_size})")
         reason = choice.get("finish_reason")
         finish = None
         if reason is not None:

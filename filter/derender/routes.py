@@ -1,18 +1,34 @@
-"""Which endpoint a request is for, and the answers the filter gives by itself.
+"""Which endpoint and which model a request is for, and the answers the filter gives by itself.
 
-``Router.route`` returns an exchange object for endpoints that go to a producer
-(one class per endpoint, e.g. ``chat.ChatExchange``) or a ``Reply`` the filter
-sends at once (health, models, errors) without a producer round trip.
+A ``Backend`` is one served model: its names, how it is rendered (a local vLLM
+``Model``, or a render tier URL) and the Envoy cluster of its producers.
+``Router.route`` looks at the request headers. Endpoints that need the body
+(``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``)
+get a ``ModelExchange``: once the body is in, it picks the backend from the
+body's ``model`` and hands over to that backend's exchange for the endpoint; a
+request for a producer gets the ``x-derender-cluster`` header, which Envoy
+routes on after the route cache is cleared. Health and models are answered at
+once (a ``Reply``), without a producer round trip.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
 
-from .chat import ChatExchange
+import orjson
+
+from .chat import Rewrite
 from .errors import HTTPError, dumps
 from .model import Model
 from .producer import Producer
+
+CLUSTER_HEADER = "x-derender-cluster"
+DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/tokenize", "/detokenize")
+MODELS_PATH = "/v1/models"
 
 
 @dataclass
@@ -28,25 +44,168 @@ class Reply:
         return cls(exc.status, exc.body())
 
 
-class Router:
-    """Which endpoint a request is for, and the answers the filter gives itself."""
+def model_not_found(name: str, aliases: list[str]) -> HTTPError:
+    """vLLM's 404 for an unknown model (``BaseServing._check_model``)."""
+    return HTTPError(
+        404, f"The model `{name}` does not exist. Valid aliases: {', '.join(aliases)}.", "NotFoundError", "model"
+    )
 
-    def __init__(self, model: Model, producer: Producer) -> None:
-        self.model = model
+
+class Backend:
+    """One served model: its names, how it is rendered and its producer cluster."""
+
+    def __init__(
+        self,
+        names: list[str] | tuple[str, ...],
+        producer: Producer,
+        cluster: str = DEFAULT_CLUSTER,
+        model: Model | None = None,
+        render_url: str | None = None,
+    ) -> None:
+        from .rendertier import RenderTier
+
+        if (model is None) == (render_url is None):
+            raise ValueError("a backend has either a local model or a render tier URL")
+        self.names = list(names)
         self.producer = producer
+        self.cluster = cluster
+        self.model = model
+        self.tier = RenderTier(render_url) if render_url else None
+        if model is not None:  # built now, not on the first request
+            from .completions import serving_completion
 
-    async def route(self, headers: dict[str, str], end_of_stream: bool) -> ChatExchange | Reply:
+            serving_completion(model)
+
+    @classmethod
+    def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> "Backend":
+        return cls(model.served_names, producer, cluster, model=model)
+
+    def exchange(self, path: str, x_request_id: str | None) -> Any:
+        """The exchange object for one request to ``path``."""
+        if self.tier is not None:
+            from .rendertier import CHAT, COMPLETION, TierExchange, TierPassThrough
+
+            if path in (CHAT_PATH, COMPLETIONS_PATH):
+                return TierExchange(self.tier, CHAT if path == CHAT_PATH else COMPLETION, self.producer, x_request_id)
+            return TierPassThrough(self.tier, path, x_request_id)
+        assert self.model is not None
+        if path == CHAT_PATH:
+            from .chat import ChatExchange
+
+            return ChatExchange(self.model, self.producer, x_request_id)
+        if path == COMPLETIONS_PATH:
+            from .completions import CompletionExchange
+
+            return CompletionExchange(self.model, self.producer, x_request_id)
+        from .tokenization import TokenizationExchange
+
+        return TokenizationExchange(self.model, path, x_request_id)
+
+    async def models(self) -> list[dict[str, Any]]:
+        """vLLM's model cards for this backend."""
+        if self.tier is not None:
+            return await self.tier.models()
+        assert self.model is not None
+        return (await self.model.registry.show_available_models()).model_dump()["data"]
+
+
+class ModelExchange:
+    """Picks the backend from the body's ``model``, then hands everything to its exchange."""
+
+    def __init__(self, router: "Router", path: str, x_request_id: str | None) -> None:
+        self.router = router
+        self.path = path
+        self.x_request_id = x_request_id
+        self.inner: Any = None
+
+    @property
+    def stream(self) -> Any:
+        return self.inner.stream if self.inner is not None else None
+
+    async def request_body(self, body: bytes) -> Any:
+        backend = self.router.backend_for(body)
+        self.inner = backend.exchange(self.path, self.x_request_id)
+        result = await self.inner.request_body(body)
+        if isinstance(result, Rewrite):
+            result.set_headers[CLUSTER_HEADER] = backend.cluster
+        return result
+
+    def response_headers(self, status: int) -> Any:
+        return self.inner.response_headers(status)
+
+    def response_chunk(self, chunk: bytes, end: bool) -> Any:
+        return self.inner.response_chunk(chunk, end)
+
+    async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
+        return await self.inner.response_body(body)
+
+    def close(self, complete: bool) -> None:
+        if self.inner is not None:
+            self.inner.close(complete)
+
+
+class Router:
+    """Which endpoint and model a request is for, and the answers the filter gives itself.
+
+    ``served`` is one ``Model`` (served with ``producer``), or the ``Backend``s
+    of several models; the first one is the default when a body names no model.
+    """
+
+    def __init__(self, served: Model | Backend | list[Backend], producer: Producer | None = None) -> None:
+        if isinstance(served, Backend):
+            served = [served]
+        elif not isinstance(served, list):
+            assert producer is not None
+            served = [Backend.local(served, producer)]
+        if not served:
+            raise ValueError("nothing to serve")
+        self.backends: list[Backend] = served
+        self.by_name = {name: b for b in served for name in b.names}
+
+    def backend_for(self, body: bytes) -> Backend:
+        """The backend of the body's ``model``; a body vLLM will refuse goes to the default one."""
+        if len(self.backends) == 1:
+            return self.backends[0]  # it checks the model name itself, as vLLM does
+        try:
+            name = orjson.loads(body).get("model")
+        except (ValueError, AttributeError):
+            name = None
+        if not isinstance(name, str) or not name:
+            return self.backends[0]
+        backend = self.by_name.get(name)
+        if backend is None:
+            raise model_not_found(name, list(self.by_name))
+        return backend
+
+    async def route(self, headers: dict[str, str], end_of_stream: bool) -> ModelExchange | Reply:
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
-        if path == "/v1/chat/completions":
-            if method != "POST":
-                return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
-            if end_of_stream:
-                return Reply.error(HTTPError(400, "The request body is empty: a JSON chat completion request is required"))
-            return ChatExchange(self.model, self.producer, headers.get("x-request-id"))
-        if path in ("/health", "/ping") and method == "GET":
-            return Reply(200, b"")
-        if path == "/v1/models" and method == "GET":
-            models = await self.model.registry.show_available_models()
-            return Reply(200, dumps(models.model_dump()))
+        try:
+            if path in BODY_PATHS:
+                if method != "POST":
+                    return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
+                if end_of_stream:
+                    return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
+                return ModelExchange(self, path, headers.get("x-request-id"))
+            if path in ("/health", "/ping") and method == "GET":
+                return Reply(200, b"")
+            if path == MODELS_PATH and method == "GET":
+                return Reply(200, dumps({"object": "list", "data": await self._cards()}))
+            if path.startswith(MODELS_PATH + "/") and method == "GET":
+                return await self._card(unquote(path[len(MODELS_PATH) + 1 :]))
+        except HTTPError as exc:
+            return Reply.error(exc)
         return Reply.error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))
+
+    async def _cards(self) -> list[dict[str, Any]]:
+        cards: list[dict[str, Any]] = []
+        for backend in self.backends:
+            cards += await backend.models()
+        return cards
+
+    async def _card(self, model_id: str) -> Reply:
+        cards = await self._cards()
+        for card in cards:
+            if card.get("id") == model_id:
+                return Reply(200, dumps(card))
+        return Reply.error(model_not_found(model_id, [c.get("id", "") for c in cards]))

@@ -52,6 +52,13 @@ _TURNS = (  # last user turn: ChatML (Qwen), DeepSeek, Harmony (gpt-oss)
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
 _SP = "body.sampling_params"
+# Producer faults (knob ``fault``, at event ``fault_after``, for the requests that follow): malformed
+# SSE, or a producer that dies (closes the connection without ending the body) or stalls (sends
+# nothing, keeps it open; setting fault "die" meanwhile makes a stalled request die).
+MALFORMED = ("garbage", "truncated_json", "unknown_output_mode", "out_of_vocab", "unknown_index",
+             "flood")
+FAULTS = (*MALFORMED, "die", "stall")
+FLOOD_BYTES = 65 << 20  # "flood": one line longer than the filter's 64 MiB event bound
 
 
 class RequestError(Exception):
@@ -160,6 +167,8 @@ class _Generation:
     choices: list[_Choice]
     request: web.Request
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    fault: str | None = None  # the knobs when the request came in
+    fault_after: int = 0
 
     def closed(self) -> bool:
         transport = self.request.transport
@@ -168,6 +177,20 @@ class _Generation:
 
 class _Disconnected(Exception):
     pass
+
+
+class _Died(Exception):
+    """Fault "die": drop the connection here."""
+
+
+async def _drop(request: web.Request) -> None:
+    """Close the connection at once (no end of body), once what was written is in the kernel."""
+    transport = request.transport
+    if transport is None:
+        return
+    while transport.get_write_buffer_size() and not transport.is_closing():
+        await asyncio.sleep(0.001)
+    transport.abort()
 
 
 class Simulator:
@@ -192,6 +215,8 @@ class Simulator:
                        finish_only_tail=finish_only_tail, error_after=error_after,
                        http_error=http_error, split_writes=1)
         self.requests: collections.deque = collections.deque(maxlen=50)
+        self.headers: collections.deque = collections.deque(maxlen=50)  # of generate requests
+        self.received = 0  # generate requests, ever
         self.aborted: list[str] = []
         self.disconnected: list[str] = []
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
@@ -199,12 +224,14 @@ class Simulator:
     def configure(self, mode: str | None = None, script: str | None = None,
                   tokens_per_event: int | str | None = None, delay: float | None = None,
                   finish_only_tail: bool | None = None, error_after: int | None = None,
-                  http_error: int | None = None, split_writes: int | None = None) -> None:
+                  http_error: int | None = None, split_writes: int | None = None,
+                  fault: str | None = None, fault_after: int | None = None) -> None:
         """Set the knobs for the requests that follow (also POST /sim/config).
 
-        ``error_after`` and ``http_error`` are set as given (None turns them off);
-        the other knobs keep their value when None. ``split_writes`` > 1 writes each
-        event in that many pieces, so events cross TCP writes.
+        ``error_after``, ``http_error`` and ``fault`` (at event ``fault_after``, see
+        FAULTS) are set as given (None turns them off); the other knobs keep their
+        value when None. ``split_writes`` > 1 writes each event in that many pieces,
+        so events cross TCP writes.
         """
         if mode is not None:
             self.mode = mode
@@ -219,6 +246,9 @@ class Simulator:
         if split_writes is not None:
             self.split_writes = max(1, int(split_writes))
         self.error_after, self.http_error = error_after, http_error
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(FAULTS)}")
+        self.fault, self.fault_after = fault, fault_after or 0
         if tokens_per_event is not None:
             self.seed = None
             if isinstance(tokens_per_event, str) and tokens_per_event.startswith("random:"):
@@ -329,6 +359,16 @@ class Simulator:
                 raise _Disconnected
             if gen.aborted.is_set():
                 break
+            if gen.fault in ("die", "stall") and count == gen.fault_after:
+                while gen.fault == "stall" and not (gen.closed() or gen.aborted.is_set()):
+                    await asyncio.sleep(0.05)  # silent, connection open
+                    if self.fault == "die":  # set while stalled: die now
+                        gen.fault = "die"
+                if gen.fault == "die":
+                    raise _Died
+                if gen.closed():
+                    raise _Disconnected
+                break
             if self.error_after is not None and count >= self.error_after:
                 raise RequestError("Internal server error", "InternalServerError", 500)
             c.sent, c.done = end, final
@@ -363,6 +403,8 @@ class Simulator:
     # ---- HTTP ----------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
+        self.received += 1
+        self.headers.append(dict(request.headers))
         body, bad_json = None, None
         try:
             if raw:
@@ -408,7 +450,8 @@ class Simulator:
             raise RequestError(f"Input length ({len(prompt)}) exceeds model's maximum context"
                                f" length ({self.max_model_len}).")
         try:
-            gen = _Generation(f"generate-tokens-{base}", self._plan(body), request)
+            gen = _Generation(f"generate-tokens-{base}", self._plan(body), request,
+                              fault=self.fault, fault_after=self.fault_after)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500)
         self.running[gen.engine_id].add(gen)
@@ -439,14 +482,40 @@ class Simulator:
         except _Disconnected:
             self.disconnected.append(gen.engine_id)
             return web.Response(status=499)  # nobody reads it
-        return _json_response({
+        except _Died:
+            await _drop(gen.request)
+            return web.Response(status=499)  # never sent
+        return self._faulty(gen.fault, _json_response({
             "request_id": gen.engine_id, "model": self.model_name, "created": created,
             "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices)),
             "prompt_logprobs": None, "prompt_token_id_logprobs": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
             "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
             "ec_transfer_params": None, "output_mode": "tokens",
-            "choices": [self._choice(c, 0, c.sent, True, k) for c in gen.choices]})
+            "choices": [self._choice(c, 0, c.sent, True, k) for c in gen.choices]}))
+
+    def _faulty(self, fault: str | None, response: web.Response) -> web.Response:
+        """A malformed-output fault applied to a non-streaming body."""
+        body = response.body
+        if fault in ("garbage", "truncated_json", "flood"):
+            body = {"garbage": b"\x00\xff" + body, "truncated_json": body[: len(body) // 2],
+                    "flood": body + b" " * FLOOD_BYTES}[fault]
+        elif fault in ("unknown_output_mode", "out_of_vocab", "unknown_index"):
+            data = json.loads(body)
+            self._spoil(fault, data, data["choices"][0], len(data["choices"]))
+            body = json.dumps(data).encode()
+        else:
+            return response
+        return web.Response(body=body, status=response.status, content_type="application/json")
+
+    def _spoil(self, fault: str | None, chunk: dict, choice: dict, n: int) -> None:
+        """The malformed-event faults that keep the JSON valid."""
+        if fault == "unknown_output_mode":
+            chunk["output_mode"] = "unknown"
+        elif fault == "out_of_vocab":
+            choice["token_ids"] = [*choice["token_ids"], self.vocab_size + 7]
+        elif fault == "unknown_index":
+            choice["index"] = n  # the choices are 0..n-1
 
     async def _stream(self, gen: _Generation, body: dict) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
@@ -454,8 +523,8 @@ class Simulator:
         response.enable_chunked_encoding()
         await response.prepare(gen.request)
 
-        async def send(data: bytes) -> None:  # one write per event (or split_writes pieces)
-            frame = b"data: " + data + b"\n\n"
+        async def send(data: bytes, raw: bool = False) -> None:  # one write per event (or split_writes pieces)
+            frame = data if raw else b"data: " + data + b"\n\n"
             try:
                 if self.split_writes == 1:
                     await response.write(frame)
@@ -476,6 +545,8 @@ class Simulator:
             await response.write_eof()
         except _Disconnected:
             self.disconnected.append(gen.engine_id)
+        except _Died:
+            await _drop(gen.request)
         return response
 
     async def _stream_events(self, gen: _Generation, body: dict, send) -> None:
@@ -487,7 +558,9 @@ class Simulator:
         prompt_ids = prompt if body.get("return_token_ids") else None
         generated = [0] * len(gen.choices)
         self._check_logprobs(k)
+        count = -1
         async for c, start, end, final in self._steps(gen):
+            count += 1
             generated[c.index] += end - start
             chunk = {"request_id": gen.engine_id, "usage": None}
             if continuous:
@@ -496,11 +569,29 @@ class Simulator:
                 chunk["prompt_token_ids"], prompt_ids = prompt_ids, None
             chunk["output_mode"] = "tokens"
             chunk["choices"] = [self._choice(c, start, end, final, k)]
+            if count == gen.fault_after and gen.fault in MALFORMED:
+                await self._send_faulty(gen.fault, chunk, len(gen.choices), send)
+                continue
             await send(pydantic_core.to_json(chunk))
         if include_usage:  # dumped with exclude_none
             usage = self._usage(len(prompt), sum(generated), details=False)
             await send(pydantic_core.to_json({"request_id": gen.engine_id, "usage": usage,
                                               "output_mode": "tokens", "choices": []}))
+
+    async def _send_faulty(self, fault: str, chunk: dict, n: int, send) -> None:
+        """This event, malformed as the fault says; the stream goes on afterwards."""
+        data = pydantic_core.to_json(chunk)
+        if fault == "garbage":  # unframed bytes, glued to the event's line
+            await send(b"\x00\xff\xfe garbage \x9c", raw=True)
+            await send(data)
+        elif fault == "truncated_json":
+            await send(data[: len(data) // 2])
+        elif fault == "flood":  # one endless line
+            for _ in range(FLOOD_BYTES >> 20):
+                await send(b"x" * (1 << 20), raw=True)
+        else:
+            self._spoil(fault, chunk, chunk["choices"][0], n)
+            await send(pydantic_core.to_json(chunk))
 
     async def abort_requests(self, request: web.Request) -> web.Response:
         try:
@@ -521,8 +612,15 @@ class Simulator:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def stats(self, request: web.Request) -> web.Response:
+        """GET /sim/stats: generate requests received ever, tokens sent per running request."""
+        running = {eid: sum(c.sent for g in gens for c in g.choices)
+                   for eid, gens in self.running.items()}
+        return web.json_response({"received": self.received, "running": running})
+
     async def introspect(self, request: web.Request) -> web.Response:
-        """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies)."""
+        """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
+        /sim/headers (request headers of /inference/v1/generate)."""
         return web.json_response(list(getattr(self, request.match_info["what"])))
 
     def app(self) -> web.Application:
@@ -532,7 +630,8 @@ class Simulator:
         app.router.add_post("/inference/v1/abort_requests", self.abort_requests)
         app.router.add_get("/health", self.health)
         app.router.add_post("/sim/config", self.set_config)
-        app.router.add_get("/sim/{what:aborted|disconnected|requests}", self.introspect)
+        app.router.add_get("/sim/{what:aborted|disconnected|requests|headers}", self.introspect)
+        app.router.add_get("/sim/stats", self.stats)
         return app
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import envoy_config
+from . import envoy_config, health
 
 
 def free_port() -> int:
@@ -29,14 +29,6 @@ def _http_ok(host: str, port: int, path: str) -> bool:
         ok = conn.getresponse().status == 200
         conn.close()
         return ok
-    except OSError:
-        return False
-
-
-def _tcp_open(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=1).close()
-        return True
     except OSError:
         return False
 
@@ -87,6 +79,10 @@ class Stack:
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
+    if getattr(args, "config", None):
+        return ["--config", args.config]
+    if getattr(args, "render_url", None):  # the render tier has the model; the simulator still uses --model
+        return ["--render-url", args.render_url, *(["--served-model-name", *args.served_model_name] if args.served_model_name else [])]
     flags = ["--model", args.model]
     if args.served_model_name:
         flags += ["--served-model-name", *args.served_model_name]
@@ -102,9 +98,18 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from . import assets
 
-    if not args.model:
+    entries = None
+    if getattr(args, "config", None):  # several models: their producers are in the file
+        from .config import ConfigError, envoy_clusters, load
+
+        try:
+            entries = load(args.config)
+        except ConfigError as exc:
+            print(f"derender: {exc}", file=sys.stderr, flush=True)
+            return 1
+    elif not args.model:
         args.model = str(assets.fetch("qwen3"))
-    derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level]
+    derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     stack = Stack()
 
     def on_signal(signum, _frame):
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        producer = args.producer
+        producer = args.producer or (entries[0].producer_url if entries else None)
         if producer is None:
             sim_port = free_port()
             stack.start("simulator", [*derender, "sim", "--model", args.model, "--port", str(sim_port), *args.sim_arg])
@@ -122,10 +127,14 @@ def run(args: argparse.Namespace) -> int:
         producer_host, producer_port = envoy_config.split_url(producer)
 
         filter_port = args.filter_port or free_port()
-        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer])
-        stack.wait_until("filter", lambda: _tcp_open("127.0.0.1", filter_port), 180)
+        workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
+        metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
+        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics])
+        stack.wait_until("filter", lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180)
 
         config = envoy_config.render(
+            "multi.yaml" if entries else "local.yaml",
+            PRODUCER_CLUSTERS=envoy_clusters(entries) if entries else "",
             LISTEN_PORT=args.port,
             ADMIN_PORT=free_port(),
             FILTER_PORT=filter_port,

@@ -1,0 +1,80 @@
+"""The transport floor: an ext_proc server that answers every message and changes nothing.
+
+Same stack as the filter (grpc.aio + xds-protos, uvloop, N forked workers on one
+SO_REUSEPORT port), same Envoy config. Response body chunks are sent back as a
+body mutation carrying the same bytes, so the floor pays for the bytes going both
+ways as the filter does. It works in STREAMED and FULL_DUPLEX_STREAMED modes.
+
+    python bench/echo_extproc.py --port 9010 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import grpc
+from derender import workers
+from derender.health import add_health
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+
+class EchoProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, full_duplex: bool) -> None:
+        self.full_duplex = full_duplex
+
+    async def Process(self, request_iterator, context):
+        async for message in request_iterator:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif kind == "request_body":
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+            elif kind == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+            elif kind == "response_body":
+                yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=self.echo(message.response_body)))
+            elif kind == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif kind == "response_trailers":
+                yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+    def echo(self, body: pb.HttpBody) -> pb.CommonResponse:
+        """The chunk replaced by itself (FULL_DUPLEX_STREAMED: one streamed reply per chunk)."""
+        if self.full_duplex:
+            streamed = pb.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
+            return pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        mutation = pb.BodyMutation(body=body.body) if body.body else pb.BodyMutation(clear_body=True)
+        return pb.CommonResponse(body_mutation=mutation)
+
+
+async def serve(host: str, port: int, full_duplex: bool, reuse_port: bool) -> None:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
+        ]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(EchoProcessor(full_duplex), server)
+    await add_health(server)  # Envoy's cluster health check, as for the filter
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--full-duplex", action="store_true", help="answer FULL_DUPLEX_STREAMED bodies")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    return workers.run(lambda reuse_port: serve(args.host, args.port, args.full_duplex, reuse_port), args.port, args.workers)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""The processes a benchmark run starts on loopback, their CPU time and memory, Envoy's configs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import yaml
+from derender import envoy_config
+
+BENCH = Path(__file__).resolve().parent
+LOGS = Path(tempfile.gettempdir()) / "derender-bench-logs"
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def tcp_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    """One child process (and the workers it forks), logging to a file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+    log: Path | None = None
+
+    def start(self) -> Proc:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log = LOGS / f"{self.name}-{os.getpid()}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log, "wb") as out:
+            self.popen = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )
+        return self
+
+    def wait(self, ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; see {self.log}")
+            if ready():
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of the process and its live children."""
+        total = 0.0
+        for p in self.tree():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def workers(self) -> list[psutil.Process]:
+        """The processes doing the work: the forked workers, else the process itself."""
+        tree = self.tree()
+        return tree[1:] or tree
+
+    def stop(self) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        except ProcessLookupError:
+            pass
+
+
+def memory(proc: Proc) -> list[dict]:
+    """RSS and USS (memory no other process shares) of each worker, MiB."""
+    out = []
+    for p in proc.workers():
+        try:
+            info = p.memory_full_info()
+            out.append({"pid": p.pid, "rss": info.rss / 2**20, "uss": info.uss / 2**20})
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | None, full_duplex: bool = False) -> str:
+    """``envoy/local.yaml`` as ``derender up`` renders it; without the ext_proc filter when
+    ``filter_port`` is None (Envoy alone); response bodies FULL_DUPLEX_STREAMED if asked."""
+    text = envoy_config.render(
+        LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port or 1, PRODUCER_HOST="127.0.0.1", PRODUCER_PORT=producer_port
+    )
+    config = yaml.safe_load(text)
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = manager["http_filters"]
+    ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
+    if filter_port is None:
+        filters.remove(ext_proc)
+    elif full_duplex:
+        mode = ext_proc["typed_config"]["processing_mode"]
+        mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
+        mode["response_trailer_mode"] = "SEND"
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+@dataclass
+class Envoy:
+    proc: Proc
+    port: int
+    admin: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stats(self) -> dict[str, int]:
+        """ext_proc counters (gRPC messages each way)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats?filter=ext_proc", timeout=5) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(": ")
+            if value.strip().isdigit():
+                out[key.rsplit(".", 1)[-1]] = out.get(key.rsplit(".", 1)[-1], 0) + int(value)
+        return out
+
+
+def start_envoy(name: str, producer_port: int, filter_port: int | None, full_duplex: bool = False) -> Envoy:
+    port, admin = free_port(), free_port()
+    path = LOGS / f"{name}-{os.getpid()}.yaml"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex))
+    argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"]
+    proc = Proc(name, argv).start()
+    return Envoy(proc, port, admin)

@@ -1,0 +1,130 @@
+"""The filter's per-token work without gRPC: CPU per token by stream length, and a profile.
+
+Feeds the simulator's exact SSE bytes (one token per event) into the production
+``ChatExchange.response_chunk`` -- what the ext_proc servicer calls for every Envoy
+body chunk -- after a real ``request_body`` render, in this process, and reports
+CPU microseconds per token for each length. ``--profile`` adds cProfile's top
+functions for the longest stream.
+
+    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pydantic_core  # noqa: E402
+import streams  # noqa: E402
+from derender import assets  # noqa: E402
+from derender.sim import Simulator, _Choice  # noqa: E402
+
+HERMES = ("qwen3", "hermes")
+
+
+def events(token_ids: list[int]) -> list[bytes]:
+    """The simulator's frames for one choice, one token per event, then [DONE]."""
+    choice = _Choice(0, token_ids, "stop", None, [1] * len(token_ids), None)
+    frames = []
+    for i in range(len(token_ids)):
+        final = i == len(token_ids) - 1
+        chunk = {"request_id": "generate-tokens-bench", "usage": None, "output_mode": "tokens"}
+        chunk["choices"] = [Simulator._choice(choice, i, i + 1, final, None)]
+        frames.append(b"data: " + pydantic_core.to_json(chunk) + b"\n\n")
+    frames.append(b"data: [DONE]\n\n")
+    return frames
+
+
+async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple[float, bytes]:
+    from derender.chat import ChatExchange
+
+    exchange = ChatExchange(model, producer, None)
+    await exchange.request_body(chat)
+    exchange.response_headers(200)
+    out = []
+    start = time.process_time()
+    for frame in frames:
+        out.append(exchange.response_chunk(frame, False))
+    out.append(exchange.response_chunk(b"", True))
+    elapsed = time.process_time() - start
+    exchange.close(True)
+    return elapsed, b"".join(out)
+
+
+def hermes_model(model_dir: str):
+    """Qwen3 with the qwen3 reasoning parser and the hermes tool parser, as the bench serves it."""
+    from derender.model import Model, ModelSpec
+
+    spec = ModelSpec(
+        model=model_dir,
+        served_model_name=("qwen3",),
+        max_model_len=40960,
+        reasoning_parser=HERMES[0],
+        tool_call_parser=HERMES[1],
+        enable_auto_tool_choice=True,
+    )
+    return Model(spec)
+
+
+async def measure(model, model_dir: str, lengths: list[int], repeat: int, profile: bool) -> dict:
+    from derender.producer import Producer
+
+    producer = Producer("http://127.0.0.1:9")
+    chat = json.dumps(streams.chat_request("qwen3", tools=True)).encode()
+    result: dict = {"us_per_token": {}, "fold": {}}
+    await one_stream(model, producer, chat, events(streams.reasoning_tool_call(model_dir, 64)))  # warm up
+    for n in lengths:
+        frames = events(streams.reasoning_tool_call(model_dir, n))
+        best = None
+        for _ in range(repeat):
+            elapsed, body = await one_stream(model, producer, chat, frames)
+            best = elapsed if best is None else min(best, elapsed)
+        result["us_per_token"][n] = best / n * 1e6
+        result["fold"][n] = streams.fold(streams.sse_events(body))
+    if profile:
+        frames = events(streams.reasoning_tool_call(model_dir, max(lengths)))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        await one_stream(model, producer, chat, frames)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        result["profile"] = text.getvalue()
+    await producer.close()
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the fetched one)")
+    parser.add_argument("--lengths", default="250,1000,2000")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result = asyncio.run(measure(hermes_model(model_dir), model_dir, lengths, args.repeat, args.profile))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for n, us in result["us_per_token"].items():
+        print(f"{n:>6} tokens: {us:8.1f} us CPU per token (translation only, no gRPC)")
+    if "profile" in result:
+        print(result["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

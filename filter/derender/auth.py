@@ -1,0 +1,57 @@
+"""Optional API keys: ``Authorization: Bearer KEY``, checked as vLLM's ``--api-key`` checks it.
+
+Keys come from ``derender serve --api-key KEY`` (repeatable) or, when no flag
+is given, from ``$DERENDER_API_KEYS`` (comma-separated), the way ``vllm serve``
+prefers ``--api-key`` over ``$VLLM_API_KEY``. The check is vLLM's own
+(``AuthenticationMiddleware.verify_token``: SHA-256 digests compared in
+constant time) on vLLM's guarded path prefixes (``/v1``, ``/inference``, ...;
+``/health`` and ``OPTIONS`` stay open). It runs on the request headers, so a
+refused request never reaches a producer. The 401 body is an OpenAI error
+object carrying vLLM's message, ``Unauthorized`` (vLLM itself sends the bare
+``{"error": "Unauthorized"}``).
+
+``configure`` runs once in ``derender serve`` before the workers fork.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import HTTPError
+
+ENV = "DERENDER_API_KEYS"
+
+_checker: Any = None  # vLLM's AuthenticationMiddleware holding the key digests, or None
+
+
+def keys_from_env() -> list[str]:
+    return [k.strip() for k in os.environ.get(ENV, "").split(",") if k.strip()]
+
+
+def configure(keys: list[str] | None) -> int:
+    """Require one of ``keys`` (``None``: the environment's); returns how many are in force."""
+    global _checker
+    keys = [k for k in (keys if keys else keys_from_env()) if k]
+    if not keys:
+        _checker = None
+        return 0
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    _checker = AuthenticationMiddleware(app=None, tokens=keys)
+    return len(keys)
+
+
+def check(headers: dict[str, str]) -> HTTPError | None:
+    """The 401 for a request without a valid key, or None."""
+    if _checker is None or headers.get(":method") == "OPTIONS":
+        return None
+    from starlette.datastructures import Headers
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+    path = headers.get(":path", "/")
+    if not path.startswith(GUARDED_PREFIX):
+        return None
+    if _checker.verify_token(Headers(headers={k: v for k, v in headers.items() if not k.startswith(":")})):
+        return None
+    return HTTPError(401, "Unauthorized")

@@ -1,0 +1,169 @@
+"""``POST /v1/completions`` by vLLM's own completion server code, one prompt per request.
+
+Rendering is what vLLM's ``/v1/completions/render`` does (``ServingRender``).
+Output goes through vLLM's ``OpenAIServingCompletion`` generators, streaming
+and full, fed the ``RequestOutput``s the coupled server would see: the stream
+generator is driven by hand exactly as ``derender.ChatStream`` drives the chat
+one. So ``echo``, ``logprobs`` (with ``text_offset``), ``n``, stop strings,
+``return_token_ids`` and usage come out as ``vllm serve`` writes them.
+
+Two refusals, both 400 before anything reaches a producer:
+- several prompts in one request: Envoy maps one HTTP request to one producer
+  request, so each prompt must be sent in its own request;
+- prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``, which
+  asks for them): the producer's token stream does not carry them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from pydantic import ValidationError
+
+from .chat import ChatExchange
+from .derender import ChatStream
+from .errors import HTTPError, dumps, from_exception, validation_error
+from .model import Model, _EngineStandIn
+from .outputs import ChoiceOutputs, ProducerError
+from .render import Rendered, producer_body
+
+ONE_PROMPT = (
+    "This endpoint takes one prompt per request (got {n}): each request becomes one producer "
+    "request, so send each prompt in its own request."
+)
+NO_PROMPT_LOGPROBS = (
+    "Prompt logprobs are not available here: the producer's token stream does not carry them. "
+    "Remove prompt_logprobs (and logprobs when echo is set)."
+)
+
+
+@dataclass
+class RenderedCompletion(Rendered):
+    # What the coupled server hands its generators as the engine input: the
+    # prompt ids, and the prompt text when ``echo`` needs it.
+    engine_input: dict[str, Any] = field(default_factory=dict)
+
+
+@functools.cache
+def serving_completion(model: Model) -> Any:
+    """vLLM's ``OpenAIServingCompletion`` for ``model``, with the chat server's stand-in engine."""
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    args = model.args
+    return OpenAIServingCompletion(
+        _EngineStandIn(model.vllm_config, model.renderer),  # type: ignore[arg-type]
+        model.registry,  # type: ignore[arg-type]
+        online_renderer=model.online_renderer,
+        request_logger=None,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+    )
+
+
+async def render_completion(model: Model, raw: bytes, x_request_id: str | None) -> RenderedCompletion:
+    """Render a ``/v1/completions`` body; raises ``HTTPError`` for bad input."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    try:
+        request = CompletionRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    headers = {"X-Request-Id": x_request_id} if x_request_id else {}
+    try:
+        result = await model.serving_render.render_completion_request(request, SimpleNamespace(headers=headers))
+    except Exception as exc:  # vLLM raises for some bad input instead of returning
+        raise from_exception(exc) from None
+    if not isinstance(result, list):
+        raise HTTPError.from_vllm(result)
+    if len(result) != 1:
+        raise HTTPError(400, ONE_PROMPT.format(n=len(result)), param="prompt")
+    if request.prompt_logprobs is not None or (request.echo and request.logprobs is not None):
+        raise HTTPError(400, NO_PROMPT_LOGPROBS, param="prompt_logprobs")
+    generate = result[0]
+    engine_input: dict[str, Any] = {"type": "token", "prompt_token_ids": list(generate.token_ids)}
+    if request.echo:  # the prompt text as the coupled server's renderer gives it
+        engine_input = dict((await model.online_renderer.render_completion(request, skip_mm_cache=True))[0])
+    return RenderedCompletion(
+        request=request,
+        request_id=generate.request_id,
+        prompt_token_ids=list(generate.token_ids),
+        params=generate.sampling_params,
+        body=producer_body(generate),
+        chat_template_kwargs={},
+        conversation=[],
+        engine_input=engine_input,
+    )
+
+
+class CompletionStream(ChatStream):
+    """One streaming completion: ``ChatStream``'s driver around vLLM's completion generator."""
+
+    def _generator(self, model: Model, rendered: RenderedCompletion):  # type: ignore[override]
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+        return serving_completion(model).completion_stream_generator(
+            rendered.request,
+            [rendered.engine_input],
+            self._indexed(),
+            rendered.request_id,
+            int(time.time()),
+            model.registry.model_name(),
+            num_prompts=1,
+            tokenizer=model.tokenizer,
+            request_metadata=RequestResponseMetadata(request_id=rendered.request_id),
+        )
+
+    async def _indexed(self):
+        """``(prompt index, output)`` pairs, as ``merge_async_iterators`` yields them."""
+        async for output in self._results():
+            yield 0, output
+
+
+async def completion_response(model: Model, rendered: RenderedCompletion, body: bytes) -> bytes:
+    """A non-streaming producer response -> the ``text_completion`` JSON vLLM would send."""
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+    try:
+        response = json.loads(body)
+        outputs = ChoiceOutputs(
+            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=False
+        )
+        finals = []
+        for choice in response.get("choices") or ():
+            finals.extend(outputs.step(choice)[0])
+    except (ProducerError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HTTPError(502, f"invalid producer response: {exc}") from None
+    if not outputs.done or len(finals) != 1:
+        raise HTTPError(502, "the producer's response does not finish every choice")
+    serving = serving_completion(model)
+    final = finals[0]
+    if final.prompt is None:
+        final.prompt = serving._extract_prompt_text(rendered.engine_input)
+    try:
+        result = serving.request_output_to_completion_response(
+            [final],
+            rendered.request,
+            rendered.request_id,
+            int(time.time()),
+            model.registry.model_name(),
+            model.tokenizer,
+            RequestResponseMetadata(request_id=rendered.request_id),
+        )
+    except Exception as exc:  # e.g. finish_reason "error": the coupled server answers 500
+        raise from_exception(exc) from None
+    return dumps(result.model_dump())
+
+
+class CompletionExchange(ChatExchange):
+    """One ``/v1/completions`` exchange: ``ChatExchange`` with the completion pieces."""
+
+    render = staticmethod(render_completion)
+    stream_class = CompletionStream
+    full_response = staticmethod(completion_response)
+    endpoint = "completion"

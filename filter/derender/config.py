@@ -1,0 +1,175 @@
+"""The several-models config file (``derender serve|up --config FILE``).
+
+YAML, one entry per served model::
+
+    models:
+      - name: qwen3                     # served model name(s): a string or a list
+        model: ~/.cache/derender/models/qwen3   # tokenizer folder (vllm serve's --model)
+        max_model_len: 4096
+        reasoning_parser: qwen3
+        tool_call_parser: hermes
+        enable_auto_tool_choice: true
+        default_chat_template_kwargs: {enable_thinking: false}
+        producer:
+          cluster: qwen3                # Envoy cluster of this model's producers
+          url: http://10.0.0.7:8000     # or a list of URLs (one cluster, several endpoints)
+      - name: [r1, deepseek-r1]
+        render_url: http://10.0.0.9:8000   # render-tier mode: no model is loaded for it
+        producer: {cluster: r1, url: http://10.0.0.8:8000}
+
+Relative ``model`` folders are relative to the file. ``chat_template`` is a
+file (also relative to the file) or a template string. Several entries may
+share a cluster only with the same URLs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .model import ModelSpec
+
+CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+RESERVED_CLUSTERS = {"derender"}  # the ext_proc cluster of the Envoy templates
+_KEYS = {
+    "name",
+    "model",
+    "max_model_len",
+    "chat_template",
+    "reasoning_parser",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+    "default_chat_template_kwargs",
+    "producer",
+    "render_url",
+}
+
+
+class ConfigError(ValueError):
+    """The config file is wrong; the message says where."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served model: how to render it and where its producers are."""
+
+    names: tuple[str, ...]
+    spec: ModelSpec | None  # None in render-tier mode
+    cluster: str
+    producer_urls: tuple[str, ...]
+    render_url: str | None = None
+
+    @property
+    def producer_url(self) -> str:
+        """The URL the filter sends aborts to."""
+        return self.producer_urls[0]
+
+
+def load(path: str | Path) -> list[ModelEntry]:
+    path = Path(path).expanduser()
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    models = data.get("models") if isinstance(data, dict) else None
+    if not isinstance(models, list) or not models:
+        raise ConfigError(f"{path}: expected a top-level 'models:' list with at least one entry")
+    entries = [_entry(path, i, item) for i, item in enumerate(models)]
+    _check_unique(path, entries)
+    return entries
+
+
+def _entry(path: Path, i: int, item: Any) -> ModelEntry:
+    where = f"{path}: models[{i}]"
+    if not isinstance(item, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    unknown = set(item) - _KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_KEYS)})")
+    names = item.get("name")
+    names = [names] if isinstance(names, str) else names
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: 'name' must be a model name or a list of names")
+    producer = item.get("producer")
+    if not isinstance(producer, dict) or set(producer) - {"cluster", "url"}:
+        raise ConfigError(f"{where}: 'producer' must be a mapping with 'cluster' and 'url'")
+    cluster, urls = producer.get("cluster"), producer.get("url")
+    urls = [urls] if isinstance(urls, str) else urls
+    if not isinstance(cluster, str) or not CLUSTER_NAME.match(cluster) or cluster in RESERVED_CLUSTERS:
+        raise ConfigError(f"{where}: producer.cluster must be a name of letters, digits, '_', '.', '-' (not 'derender')")
+    if not urls or not all(isinstance(u, str) and u for u in urls):
+        raise ConfigError(f"{where}: producer.url must be a URL or a list of URLs")
+    render_url = item.get("render_url")
+    spec = None
+    if render_url is None:
+        spec = _spec(path, where, item, names)
+    elif not isinstance(render_url, str):
+        raise ConfigError(f"{where}: render_url must be a URL")
+    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url)
+
+
+def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> ModelSpec:
+    if not isinstance(item.get("model"), str):
+        raise ConfigError(f"{where}: 'model' (the tokenizer folder) is required without render_url")
+    folder = (path.parent / Path(item["model"]).expanduser()).resolve()
+    if not folder.is_dir():
+        raise ConfigError(f"{where}: model folder {folder} does not exist")
+    template = item.get("chat_template")
+    if isinstance(template, str) and (path.parent / template).is_file():
+        template = str((path.parent / template).resolve())
+    kwargs = item.get("default_chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError(f"{where}: default_chat_template_kwargs must be a mapping")
+    max_model_len = item.get("max_model_len")
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+        raise ConfigError(f"{where}: max_model_len must be a positive integer")
+    return ModelSpec(
+        model=str(folder),
+        served_model_name=tuple(names),
+        max_model_len=max_model_len,
+        chat_template=template,
+        reasoning_parser=item.get("reasoning_parser"),
+        tool_call_parser=item.get("tool_call_parser"),
+        enable_auto_tool_choice=bool(item.get("enable_auto_tool_choice", False)),
+        default_chat_template_kwargs=json.dumps(kwargs) if kwargs is not None else None,
+    )
+
+
+def _check_unique(path: Path, entries: list[ModelEntry]) -> None:
+    seen: dict[str, int] = {}
+    clusters: dict[str, tuple[str, ...]] = {}
+    for i, entry in enumerate(entries):
+        for name in entry.names:
+            if name in seen:
+                raise ConfigError(f"{path}: model name {name!r} is in models[{seen[name]}] and models[{i}]")
+            seen[name] = i
+        if clusters.setdefault(entry.cluster, entry.producer_urls) != entry.producer_urls:
+            raise ConfigError(f"{path}: cluster {entry.cluster!r} is given different URLs")
+
+
+def envoy_clusters(entries: list[ModelEntry]) -> str:
+    """The producer clusters for ``envoy/multi.yaml``: one YAML list item per line."""
+    from .envoy_config import split_url
+
+    lines, done = [], set()
+    for entry in entries:
+        if entry.cluster in done:
+            continue
+        done.add(entry.cluster)
+        endpoints = []
+        for url in entry.producer_urls:
+            host, port = split_url(url)
+            endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
+        cluster = {
+            "name": entry.cluster,
+            "type": "STRICT_DNS",
+            "connect_timeout": "2s",
+            "load_assignment": {"cluster_name": entry.cluster, "endpoints": [{"lb_endpoints": endpoints}]},
+        }
+        lines.append("  - " + json.dumps(cluster))
+    return "\n".join(lines)

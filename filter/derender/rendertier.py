@@ -1,0 +1,346 @@
+"""Stateless render-tier mode (``--render-url``): vLLM's render server renders and derenders.
+
+This is the client loop of RFC vllm#47161, run inside the filter. Per request:
+
+1. the client's body goes to ``POST /v1/chat/completions/render`` (or
+   ``/v1/completions/render``) of ``vllm launch render``; the ``GenerateRequest``
+   it returns goes to the producer as is (stop strings aside, see below);
+2. every ``data:`` event of the producer's stream goes to the streaming
+   ``/derender`` endpoint with the ``stream_state`` the previous call returned for
+   that choice index (``null`` first), echoed back unchanged, one state per
+   index, with the client's request (``chat_request`` / ``completion_request``)
+   and the full ``prompt_token_ids`` on every call. The usage-only event is sent
+   too (no choice, so no state); the producer's ``[DONE]`` is not: the filter
+   writes it. A non-streaming response goes to ``/derender`` once.
+
+The chunk vLLM returns is forwarded as it is, with two exceptions: ``id`` and
+``created``. vLLM sets ``id`` from the producer's engine id
+(``generate-tokens-...``) and ``created`` per call; the client gets the id the
+render step gave (``chatcmpl-...`` / ``cmpl-...``, as the coupled server names
+it) and one ``created`` for the whole stream.
+
+Limits, all vLLM's: streaming derender refuses stop strings (text already sent
+cannot be cut), so a streaming request with ``stop`` gets vLLM's 400 here before
+anything runs; non-streaming stop strings are cut by ``/derender`` (the
+producer is not told them: a ``--tokens-only`` producer refuses them). The
+derender endpoints do not echo, so completions ``echo`` gets a 400.
+The filter loads no model in this mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .chat import ResponseStart, Rewrite, producer_error
+from .errors import HTTPError, dumps, error_body, error_event
+from .producer import GENERATE_PATH, Producer
+from .sse import SSEDecoder
+
+log = logging.getLogger("derender.rendertier")
+
+DONE = b"data: [DONE]\n\n"
+NO_ECHO = "echo is not available in render-tier mode: vLLM's derender endpoints do not echo the prompt."
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    render_path: str
+    derender_path: str
+    request_key: str  # the field that carries the client's request on every derender call
+
+
+CHAT = Endpoint("chat", "/v1/chat/completions/render", "/v1/chat/completions/derender", "chat_request")
+COMPLETION = Endpoint("completion", "/v1/completions/render", "/v1/completions/derender", "completion_request")
+
+
+def _stream_stop_strings_error() -> str:
+    from vllm.entrypoints.scale_out.derender.serving import _STREAM_STOP_STRINGS_ERROR
+
+    return _STREAM_STOP_STRINGS_ERROR
+
+
+def tier_error(status: int, body: bytes) -> HTTPError:
+    """The render tier's answer (vLLM's ``{"error": {...}}``) as an ``HTTPError``."""
+    try:
+        error = orjson.loads(body)["error"]
+        return HTTPError(status, str(error["message"]), error.get("type"), error.get("param"))
+    except (ValueError, KeyError, TypeError):
+        text = body.decode("utf-8", "replace").strip()[:500]
+        return HTTPError(status if status >= 400 else 502, f"render tier error: {text or f'HTTP {status}'}")
+
+
+class RenderTier:
+    """One ``vllm launch render`` server, by base URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=60),
+                connector=aiohttp.TCPConnector(limit=256),
+            )
+        return self._session
+
+    async def call(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """One HTTP call; an unreachable render tier is a 503."""
+        try:
+            async with self._client().request(
+                method, self.url + path, data=body, headers={"content-type": "application/json", **(headers or {})}
+            ) as response:
+                return response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("render tier %s %s failed: %s", method, self.url + path, exc)
+            return 503, error_body(503, f"render tier unreachable: {exc.__class__.__name__} {exc}")
+
+    async def models(self) -> list[dict[str, Any]]:
+        status, body = await self.call("GET", "/v1/models")
+        if status != 200:
+            raise tier_error(status, body)
+        return orjson.loads(body)["data"]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class TierStream:
+    """What one streaming exchange carries between derender calls."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.states: dict[int, Any] = {}  # choice index -> stream_state, exactly as vLLM returned it
+        self.done: set[int] = set()  # choice indexes the producer finished
+        self.created: int | None = None
+        self.producer_request_id: str | None = None
+        self.completion_tokens = 0
+        self.finished = False  # [DONE] was written
+
+
+class TierExchange:
+    """One chat or completions exchange whose rendering and derendering the render tier does."""
+
+    def __init__(self, tier: RenderTier, endpoint: Endpoint, producer: Producer, x_request_id: str | None) -> None:
+        self.tier = tier
+        self.endpoint = endpoint
+        self.producer = producer
+        self.x_request_id = x_request_id
+        self.client_request: Any = None
+        self.generate: dict[str, Any] = {}
+        self.stream: TierStream | None = None
+        self.status = 0
+        self._sse = SSEDecoder()
+        self._started = time.monotonic()
+        self._aborted = False
+
+    @property
+    def request_id(self) -> str:
+        return self.generate.get("request_id") or ""
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.generate.get("token_ids") or []
+
+    # -- request ---------------------------------------------------------------
+    async def request_body(self, body: bytes) -> Rewrite:
+        from .completions import ONE_PROMPT
+
+        headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
+        status, data = await self.tier.call("POST", self.endpoint.render_path, body, headers)
+        if status != 200:
+            raise tier_error(status, data)
+        generate = orjson.loads(data)
+        if isinstance(generate, list):  # /v1/completions/render: one per prompt
+            if len(generate) != 1:
+                raise HTTPError(400, ONE_PROMPT.format(n=len(generate)), param="prompt")
+            generate = generate[0]
+        self.client_request = orjson.loads(body)  # the render tier accepted it: a JSON object
+        if self.endpoint is COMPLETION and self.client_request.get("echo"):
+            raise HTTPError(400, NO_ECHO, param="echo")
+        params = generate["sampling_params"]
+        if params.get("stop"):
+            if generate.get("stream"):
+                raise HTTPError(400, _stream_stop_strings_error(), param="stop")
+            # /derender cuts them; a --tokens-only producer would refuse them.
+            params.update(stop=[], include_stop_str_in_output=False)
+            params.pop("output_text_buffer_length", None)
+        self.generate = generate
+        return Rewrite(body=orjson.dumps(generate), path=GENERATE_PATH, set_headers={"content-type": "application/json"})
+
+    # -- response --------------------------------------------------------------
+    def response_headers(self, status: int) -> ResponseStart:
+        self.status = status
+        if status == 200 and self.generate.get("stream"):
+            self.stream = TierStream(self.generate["sampling_params"].get("n") or 1)
+            return ResponseStart(
+                {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
+                ["content-length"],
+                buffer=False,
+            )
+        return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=True)
+
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        """Streaming: one body chunk of the producer's SSE -> client bytes, one derender call per event."""
+        assert self.stream is not None
+        out: list[bytes] = []
+        try:
+            payloads = self._sse.feed(chunk)
+            if end:
+                payloads += self._sse.close()
+        except ValueError as exc:
+            return self._fail(502, f"invalid producer stream: {exc}")
+        for payload in payloads:
+            out.append(await self._event(payload))
+        if end:
+            out.append(self._end())
+        return b"".join(out)
+
+    async def _event(self, payload: bytes) -> bytes:
+        stream = self.stream
+        assert stream is not None
+        if stream.finished:
+            return b""
+        if payload == b"[DONE]":
+            return self._end()
+        try:
+            event = orjson.loads(payload)
+            if not isinstance(event, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            return self._fail(502, f"invalid producer event: {exc}")
+        if "error" in event:
+            error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
+            code = error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            return self._fail(status, str(error.get("message", "producer error")), error.get("type"))
+        stream.producer_request_id = stream.producer_request_id or event.get("request_id")
+        choices = event.get("choices") or []
+        index = choices[0].get("index", 0) if choices else None
+        status, data = await self.tier.call(
+            "POST",
+            self.endpoint.derender_path,
+            orjson.dumps(
+                {
+                    "stream": True,
+                    "model": self.client_request.get("model"),
+                    "generate_chunk": event,
+                    "stream_state": stream.states.get(index) if index is not None else None,
+                    "prompt_tokens": len(self.prompt_token_ids),
+                    "prompt_token_ids": self.prompt_token_ids,
+                    self.endpoint.request_key: self.client_request,
+                }
+            ),
+        )
+        if status != 200:
+            error = tier_error(status, data)
+            self._abort("derender failed")
+            return self._fail(error.status, error.message, error.type)
+        answer = orjson.loads(data)
+        if index is not None:
+            stream.states[index] = answer["stream_state"]
+            stream.completion_tokens += len(choices[0].get("token_ids") or ())
+            if choices[0].get("finish_reason") is not None:
+                stream.done.add(index)
+        chunk = answer["chunk"]
+        if stream.created is None:
+            stream.created = chunk.get("created")
+        chunk["id"], chunk["created"] = self.request_id, stream.created
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def _end(self) -> bytes:
+        """The producer's stream is over."""
+        stream = self.stream
+        assert stream is not None
+        if stream.finished:
+            return b""
+        if len(stream.done) < stream.n:
+            return self._fail(502, "the producer's stream ended before the generation finished")
+        stream.finished = True
+        return DONE
+
+    def _fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
+        stream = self.stream
+        assert stream is not None
+        if stream.finished:
+            return b""
+        stream.finished = True
+        return error_event(status, message, err_type) + DONE
+
+    async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
+        """Buffered: the producer's whole body -> (client body, new status or None)."""
+        if self.status != 200:
+            return producer_error(self.status, body), None
+        try:
+            response = orjson.loads(body)
+        except ValueError as exc:
+            return error_body(502, f"invalid producer response: {exc}"), 502
+        ids, prompt_tokens = self.prompt_token_ids, len(self.prompt_token_ids)
+        if self.endpoint is CHAT:
+            request = {"generate_response": response, "prompt_tokens": prompt_tokens, "prompt_token_ids": ids}
+        else:
+            request = {"generate_responses": [response], "prompt_tokens": [prompt_tokens], "prompt_token_ids": [ids]}
+        request.update(model=self.client_request.get("model"), **{self.endpoint.request_key: self.client_request})
+        status, data = await self.tier.call("POST", self.endpoint.derender_path, orjson.dumps(request))
+        if status != 200:
+            error = tier_error(status, data)
+            return error.body(), error.status
+        result = orjson.loads(data)
+        result["id"] = self.request_id
+        return dumps(result), None
+
+    def close(self, complete: bool) -> None:
+        stream = self.stream
+        if stream is not None and not stream.finished and not complete:
+            self._abort("client gone")
+        log.info(
+            "%s (render tier) request_id=%s status=%s stream=%s tokens=%s complete=%s duration_ms=%.1f",
+            self.endpoint.name,
+            self.request_id or None,
+            self.status,
+            bool(self.generate.get("stream")),
+            stream.completion_tokens if stream else None,
+            complete,
+            (time.monotonic() - self._started) * 1000,
+        )
+
+    def _abort(self, why: str) -> None:
+        if self._aborted or not self.generate:
+            return
+        self._aborted = True
+        request_id = (self.stream and self.stream.producer_request_id) or (
+            f"generate-tokens-{self.x_request_id or self.request_id}"
+        )
+        self.producer.abort_soon(request_id, why)
+
+
+class TierPassThrough:
+    """``/tokenize`` and ``/detokenize``: the render tier's own answer, as an immediate reply."""
+
+    stream = None
+
+    def __init__(self, tier: RenderTier, path: str, x_request_id: str | None) -> None:
+        self.tier = tier
+        self.path = path
+        self.x_request_id = x_request_id
+
+    async def request_body(self, body: bytes) -> Any:
+        from .routes import Reply
+
+        headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
+        status, data = await self.tier.call("POST", self.path, body, headers)
+        if status != 200:
+            raise tier_error(status, data)
+        return Reply(200, data)
+
+    def close(self, complete: bool) -> None:
+        pass

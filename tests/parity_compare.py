@@ -1,0 +1,158 @@
+"""Comparing the filter's answer with the reference's, and the parity table.
+
+Only what must differ between two runs is normalized: the response ``id`` and
+``created``, ``system_fingerprint``, and tool-call ids (compared by shape, one
+stable id per tool index). Everything else is compared as is.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+_HEX = re.compile(r"[0-9a-f]{8,}")
+
+
+def id_shape(value: str) -> str:
+    return _HEX.sub("<hex>", value)
+
+
+class ToolIds:
+    """Tool-call ids of one response: one id per (choice, tool index), all distinct."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, int], str] = {}
+
+    def placeholder(self, choice: int, index: int, value: str) -> str:
+        first = self.ids.setdefault((choice, index), value)
+        assert value == first, f"tool call {choice}/{index} changed id: {first} -> {value}"
+        assert list(self.ids.values()).count(value) == 1, f"tool call id {value} reused"
+        return f"{id_shape(value)}#{choice}.{index}"
+
+
+def normalize_events(events: list) -> list:
+    """Parsed SSE events with per-run values replaced by their shape."""
+    ids = ToolIds()
+    stream_ids = set()
+    out = []
+    for event in events:
+        if not isinstance(event, dict):
+            out.append(event)
+            continue
+        event = copy.deepcopy(event)
+        if "id" in event:  # chatcmpl-{X-Request-Id}: Envoy's uuid here, vLLM's random hex there
+            stream_ids.add(event["id"])
+            assert event["id"].startswith("chatcmpl-"), event["id"]
+            event["id"] = "chatcmpl-<id>"
+        if "created" in event:
+            assert isinstance(event["created"], int)
+            event["created"] = "<created>"
+        if event.get("system_fingerprint"):
+            event["system_fingerprint"] = "<fingerprint>"
+        for choice in event.get("choices") or ():
+            for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                if call.get("id") is not None:
+                    call["id"] = ids.placeholder(choice["index"], call["index"], call["id"])
+        out.append(event)
+    assert len(stream_ids) <= 1, f"one stream, several ids: {stream_ids}"
+    return out
+
+
+def normalize_response(body: dict) -> dict:
+    """A non-streaming ``chat.completion`` with per-run values replaced by their shape."""
+    body = copy.deepcopy(body)
+    assert body["id"].startswith("chatcmpl-")
+    body["id"], body["created"] = "chatcmpl-<id>", "<created>"
+    if body.get("system_fingerprint"):
+        body["system_fingerprint"] = "<fingerprint>"
+    ids = ToolIds()
+    for choice in body["choices"]:
+        for i, call in enumerate(choice["message"].get("tool_calls") or ()):
+            call["id"] = ids.placeholder(choice["index"], i, call["id"])
+    return body
+
+
+def _arguments(raw: str):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw  # cut by `length`: compared as text
+
+
+def assemble(events: list) -> dict:
+    """The message each choice streamed, folded from its deltas, plus the final usage."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for event in events:
+        if not isinstance(event, dict):
+            continue
+        if not event.get("choices") and event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices") or ():
+            m = choices.setdefault(choice["index"], {"role": None, "content": "", "reasoning": "", "tool_calls": {},
+                                                     "finish_reason": None, "stop_reason": None, "logprobs": []})
+            delta = choice.get("delta") or {}
+            m["role"] = m["role"] or delta.get("role")
+            m["content"] += delta.get("content") or ""
+            m["reasoning"] += delta.get("reasoning") or ""
+            for call in delta.get("tool_calls") or ():
+                t = m["tool_calls"].setdefault(call["index"], {"id": None, "type": None, "name": "", "arguments": ""})
+                t["id"] = t["id"] or call.get("id")
+                t["type"] = t["type"] or call.get("type")
+                fn = call.get("function") or {}
+                t["name"] += fn.get("name") or ""
+                t["arguments"] += fn.get("arguments") or ""
+            m["logprobs"] += (choice.get("logprobs") or {}).get("content") or []
+            if choice.get("finish_reason") is not None:
+                assert m["finish_reason"] is None, f"choice {choice['index']} finished twice"
+                m["finish_reason"], m["stop_reason"] = choice["finish_reason"], choice.get("stop_reason")
+    for m in choices.values():
+        m["tool_calls"] = [
+            {"id": id_shape(t["id"] or ""), "type": t["type"], "name": t["name"], "arguments": _arguments(t["arguments"])}
+            for _, t in sorted(m["tool_calls"].items())
+        ]
+    return {"choices": dict(sorted(choices.items())), "usage": usage}
+
+
+def deltas(events: list) -> list[tuple[int, dict]]:
+    """The non-empty deltas in order, with their choice index (tool-call ids by shape)."""
+    return [
+        (c["index"], c["delta"])
+        for e in normalize_events(events) if isinstance(e, dict)
+        for c in e.get("choices") or ()
+        if any(v not in (None, "", []) for v in (c.get("delta") or {}).values())
+    ]
+
+
+class ParityTable:
+    """Case x model: pass / FAIL, written as markdown."""
+
+    def __init__(self) -> None:
+        self.cells: dict[tuple[str, str], str] = {}
+        self.notes: dict[str, str] = {}
+        self.models: list[str] = []
+
+    def record(self, case: str, model: str, ok: bool, note: str | None = None) -> None:
+        if model not in self.models:
+            self.models.append(model)
+        self.cells[(case, model)] = "pass" if ok else "**FAIL**"
+        if note:
+            self.notes[case] = note
+
+    def markdown(self, cases: list[str], command: str) -> str:
+        models = self.models
+        lines = ["| case | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
+        for case in cases:
+            if not any((case, m) in self.cells for m in models):
+                continue
+            name = f"{case} ({self.notes[case]})" if case in self.notes else case
+            lines.append(f"| {name} | " + " | ".join(self.cells.get((case, m), "n/a") for m in models) + " |")
+        passed = sum(v == "pass" for v in self.cells.values())
+        lines += ["", f"{passed}/{len(self.cells)} cells pass. n/a: the model config has no such feature "
+                  "(DeepSeek-R1 is served with a reasoning parser only).", "", f"Produced by: `{command}`"]
+        return "\n".join(lines) + "\n"
+
+    def write(self, path: str | Path, cases: list[str], command: str) -> None:
+        Path(path).write_text(self.markdown(cases, command))

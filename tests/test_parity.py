@@ -1,0 +1,235 @@
+"""Chunk-for-chunk parity with vLLM 0.33.0's coupled ``/v1/chat/completions``.
+
+For every case the same token ids, cut into the same engine steps, go through two paths:
+1. the filter: client -> real Envoy -> filter -> simulator replaying the script;
+2. the reference (``tests/reference.py``): vLLM's own ``OpenAIServingChat`` with its
+   real ``InputProcessor`` / ``OutputProcessor``, only the GPU engine core scripted.
+Both are built from the same ``vllm serve`` flags. Compared: the prompt token ids the
+producer got (render parity) and the sampling params, the assembled message per choice,
+the sequence of non-empty deltas, and every SSE event after normalizing only the
+per-run values (``id``, ``created``, ``system_fingerprint``, tool-call ids by shape).
+
+One stack and one reference per model config, for all its cases. Set
+``DERENDER_PARITY_TABLE=path.md`` to write the case x model table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from parity_cases import ANSWERS, CASES, Answers, Case, cases_for
+from parity_compare import ParityTable, assemble, deltas, normalize_events, normalize_response
+from reference import CoupledChat, Step
+from stack import Stack
+
+# The flags `vllm serve` gets for each model config (gpt-oss takes the Harmony path by model_type;
+# its reasoning and tool parsers are named as vLLM's gpt-oss recipe names them).
+MODELS = {
+    "qwen3": ("qwen3_dir", ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]),
+    "deepseek-r1": ("deepseek_dir", ["--reasoning-parser", "deepseek_r1"]),
+    "gpt-oss": ("gptoss_dir", ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai", "--enable-auto-tool-choice"]),
+}
+MAX_MODEL_LEN = "8192"
+COMMAND = "DERENDER_PARITY_TABLE=parity_table.md .venv/bin/python -m pytest tests/test_parity.py -q"
+# Sampling params the producer must get as the coupled engine would (stop strings stay with the filter).
+PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
+          "skip_special_tokens", "spaces_between_special_tokens", "stop_token_ids", "ignore_eos",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
+
+
+def pytest_generate_tests(metafunc):
+    if "served" in metafunc.fixturenames:
+        pairs = [(model, name) for model in MODELS for name in cases_for(model)]
+        metafunc.parametrize(
+            ("served", "case_name"), pairs, indirect=["served"], scope="module",
+            ids=[f"{model}-{name}" for model, name in pairs],
+        )
+
+
+@dataclass
+class Served:
+    name: str
+    stack: Stack
+    reference: CoupledChat
+    answers: Answers
+    script: Path
+
+
+@pytest.fixture(scope="module")
+def table():
+    table = ParityTable()
+    yield table
+    if path := os.environ.get("DERENDER_PARITY_TABLE"):
+        table.write(path, list(CASES), COMMAND)
+
+
+@pytest.fixture(scope="module")
+def served(request, tmp_path_factory):
+    """One Envoy + filter + simulator and one coupled reference for a model config."""
+    name = request.param
+    dir_fixture, parser_flags = MODELS[name]
+    model_dir = request.getfixturevalue(dir_fixture)
+    flags = ["--served-model-name", name, "--max-model-len", MAX_MODEL_LEN, *parser_flags]
+    script = tmp_path_factory.mktemp(f"parity-{name}") / "script.jsonl"
+    script.write_text("")
+    stack = Stack(model_dir, flags, ["--mode", "script", "--script", str(script)])
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            stack.start()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            failed.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()  # the processes start while the reference loads here
+    try:
+        reference = CoupledChat(model_dir, *flags)
+        answers = ANSWERS[name](model_dir)
+    finally:
+        starter.join()
+    if failed:
+        raise failed[0]
+    yield Served(name, stack, reference, answers, script)
+    stack.stop()
+
+
+# -- the two paths --------------------------------------------------------------------------
+def sse(lines) -> list:
+    return [
+        "[DONE]" if line[6:] == "[DONE]" else json.loads(line[6:])
+        for line in lines if line.startswith("data: ")
+    ]
+
+
+def through_envoy(served: Served, body: dict) -> list | dict:
+    url = served.stack.base_url + "/chat/completions"
+    if not body.get("stream"):
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse(r.iter_lines())
+
+
+def through_sdk(served: Served, body: dict) -> list:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served.stack.base_url, api_key="unused", max_retries=0, timeout=60)
+    standard = {"messages", "model", "stream", "n", "tools", "tool_choice", "logprobs", "top_logprobs",
+                "stream_options", "max_tokens", "parallel_tool_calls", "stop"}
+    extra = {k: v for k, v in body.items() if k not in standard}
+    kwargs = {k: v for k, v in body.items() if k in standard}
+    return [chunk.model_dump(exclude_unset=True) for chunk in client.chat.completions.create(**kwargs, extra_body=extra)] + ["[DONE]"]
+
+
+def producer_steps(served: Served, generate_request: dict) -> list[tuple]:
+    """What the simulator sends for a GenerateRequest: (index, token_ids, finish_reason, stop_reason) per event."""
+    with httpx.stream("POST", served.stack.sim_url + "/inference/v1/generate", json=generate_request, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = sse(r.iter_lines())
+    return [
+        (c["index"], c["token_ids"], c["finish_reason"], c["stop_reason"])
+        for e in events if isinstance(e, dict) for c in e["choices"]
+    ]
+
+
+def as_tuples(steps: list[Step]) -> list[tuple]:
+    return [(s.index, s.token_ids, s.finish_reason, s.stop_reason) for s in steps]
+
+
+# -- checks ----------------------------------------------------------------------------------
+def public(params) -> dict | None:
+    """A params object's public fields (engine-side choices like ``_backend`` left out)."""
+    return None if params is None else {k: v for k, v in vars(params).items() if not k.startswith("_")}
+
+
+def check_render(sent: dict, captured, body: dict) -> None:
+    """The producer got the prompt and sampling params the coupled engine would have."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
+    sp = GenerateRequest.model_validate(sent).sampling_params  # as the producer reads it
+    ref = captured.sampling_params
+    for name in PARAMS:
+        assert getattr(sp, name) == getattr(ref, name), f"sampling_params.{name}: {getattr(sp, name)!r} != {getattr(ref, name)!r}"
+    assert public(sp.structured_outputs) == public(ref.structured_outputs), "structured outputs differ"
+    assert ref.stop == (body.get("stop") or [])
+    assert not sp.stop, "stop strings must stay with the filter"
+
+
+def check_case_shape(case: Case, message: dict) -> None:
+    """The reference's first choice shows what the case is about (no case passes on two empty answers)."""
+    e = case.expect
+    if "reasoning" in e:
+        assert bool(message["reasoning"]) == e["reasoning"], message
+    if "tools" in e:
+        assert [t["name"] for t in message["tool_calls"]] == e["tools"], message
+    if e.get("logprobs"):
+        assert message["logprobs"] and any(lp["top_logprobs"] for lp in message["logprobs"])
+    if "stop" in e:
+        assert message["finish_reason"] == "stop" and message["stop_reason"] == e["stop"], message
+    assert message["content"] or message["reasoning"] or message["tool_calls"] or e.get("reasoning") is False
+
+
+def wait_for_abort(served: Served, request_id: str) -> None:
+    engine_id = f"generate-tokens-{request_id.removeprefix('chatcmpl-')}"
+    deadline = time.monotonic() + 10
+    while engine_id not in served.stack.sim_aborted() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_id in served.stack.sim_aborted(), "the producer request was not aborted at the stop string"
+
+
+def run_case(served: Served, case: Case) -> None:
+    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
+    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
+    body = {"model": served.name, "stream": True, **case.body}
+    steps = case.steps()
+
+    got = through_envoy(served, body)
+    sent = served.stack.sim_requests()[-1]
+    want, captured = served.reference.run(body, steps)
+
+    check_render(sent, captured, body)
+    assert producer_steps(served, sent) == as_tuples(steps), "the simulator did not replay the scripted engine steps"
+
+    mine, ref = assemble(got), assemble(want)
+    check_case_shape(case, ref["choices"][0])
+    assert mine == ref, "assembled messages differ"
+    assert deltas(got) == deltas(want), "delta sequences differ"
+    assert normalize_events(got) == normalize_events(want), "SSE events differ"
+
+    if "stop" in case.expect:
+        wait_for_abort(served, got[0]["id"])
+        text = "".join(json.dumps(e, ensure_ascii=False) for e in got)
+        assert case.expect["absent"] not in text, "text after the stop string reached the client"
+
+    if case.sdk:
+        assert normalize_events(through_sdk(served, body)) == normalize_events(want), "openai SDK view differs"
+
+    if case.full:
+        body = {**body, "stream": False}
+        body.pop("stream_options", None)
+        got_full = through_envoy(served, body)
+        want_full, _ = served.reference.run(body, steps)
+        assert normalize_response(got_full) == normalize_response(want_full), "non-streaming response differs"
+
+
+def test_parity(served: Served, case_name: str, table: ParityTable):
+    case = CASES[case_name](served.answers)
+    ok = False
+    try:
+        run_case(served, case)
+        ok = True
+    finally:
+        table.record(case_name, served.name, ok, case.upstream)

