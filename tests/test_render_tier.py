@@ -22,12 +22,13 @@ import threading
 
 import aiohttp
 import httpx
+import numpy as np
 import pytest
 from aiohttp import web
 
 from parity_cases import CASES, STOP_TEXT, ANSWERS, Case, cases_for
 from parity_compare import assemble, id_shape
-from stack import Proc, _ok, free_port, http_get, start_envoy, start_filter, start_sim
+from stack import DERENDER, Proc, _ok, _tcp, free_port, http_get, start_envoy, start_sim
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "8192", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
@@ -92,26 +93,35 @@ class Stacks:
         self.script = script
         self.procs: list[Proc] = []
         try:
-            port = free_port()
-            self.render_url = f"http://127.0.0.1:{port}"
-            render = Proc("vllm-render", [sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render", qwen3_dir,
-                                          *FLAGS, "--host", "127.0.0.1", "--port", str(port)]).start()
-            self.procs.append(render)  # loads while the rest starts
-            sim, self.sim_url = start_sim(qwen3_dir, "--mode", "script", "--script", str(script.path))
-            self.procs.append(sim)
-            flt, local_port = start_filter(["--model", qwen3_dir, *FLAGS, "--workers", "1"], self.sim_url)
-            self.procs.append(flt)
-            render.wait(lambda: _ok(self.render_url + "/health"), 300)
-            self.recorder = Recorder(self.render_url).start()
-            tier, tier_port = start_filter(["--render-url", self.recorder.url, "--workers", "1"], self.sim_url)
-            self.procs.append(tier)
-            envoy, self.local = start_envoy(local_port, self.sim_url)
-            self.procs.append(envoy)
-            envoy, self.tier = start_envoy(tier_port, self.sim_url)
-            self.procs.append(envoy)
+            self._start(qwen3_dir)
         except Exception:
             self.stop()
             raise
+
+    def _proc(self, name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv).start()
+        self.procs.append(proc)  # stopped by stop() even if it never gets ready
+        return proc
+
+    def _start(self, qwen3_dir: str) -> None:
+        render_port, local_port, tier_port = free_port(), free_port(), free_port()
+        self.render_url = f"http://127.0.0.1:{render_port}"
+        self.recorder = Recorder(self.render_url).start()
+        render = self._proc("vllm-render", [sys.executable, "-m", "vllm.entrypoints.cli.main", "launch", "render",
+                                            qwen3_dir, *FLAGS, "--host", "127.0.0.1", "--port", str(render_port)])
+        sim, self.sim_url = start_sim(qwen3_dir, "--mode", "script", "--script", str(self.script.path))
+        self.procs.append(sim)
+        serve = [*DERENDER, "serve", "--workers", "1", "--producer", self.sim_url]
+        local = self._proc("filter", [*serve, "--model", qwen3_dir, *FLAGS, "--port", str(local_port)])
+        tier = self._proc("filter-tier", [*serve, "--render-url", self.recorder.url, "--port", str(tier_port)])
+        for proc, port in ((tier, tier_port), (local, local_port)):  # all of them load at once
+            proc.wait(lambda: _tcp(port), 600)
+        render.wait(lambda: _ok(self.render_url + "/health"), 600)
+        # Envoy waits up to MESSAGE_TIMEOUT for each ext_proc answer; this machine is shared.
+        envoy, self.local = start_envoy(local_port, self.sim_url, MESSAGE_TIMEOUT="60s")
+        self.procs.append(envoy)
+        envoy, self.tier = start_envoy(tier_port, self.sim_url, MESSAGE_TIMEOUT="60s")
+        self.procs.append(envoy)
 
     def sim_config(self, **knobs) -> None:
         defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
@@ -122,10 +132,10 @@ class Stacks:
         return json.loads(http_get(self.sim_url + "/sim/requests")[1])
 
     def stop(self) -> None:
-        if hasattr(self, "recorder"):
-            self.recorder.stop()
         for p in reversed(self.procs):
             p.stop()
+        if hasattr(self, "recorder"):
+            self.recorder.stop()
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +176,24 @@ def both(stacks: Stacks, path: str, body: dict) -> tuple[list | dict, list | dic
     return answers[0], answers[1]
 
 
+def f32(value):
+    """Floats at float32 precision: the simulator writes logprobs as given (-0.09), the engine path
+    goes through float32 (-0.09000000357627869), as a GPU producer's numbers do."""
+    if isinstance(value, float):
+        return float(np.float32(value))
+    if isinstance(value, dict):
+        return {k: f32(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [f32(v) for v in value]
+    return value
+
+
 def usage(value: dict | None) -> dict | None:
-    """Usage without null fields: the render tier writes them, the coupled server leaves them out."""
-    return None if value is None else {k: v for k, v in value.items() if v is not None}
+    """The token counts. Left out: null fields (the render tier writes them, the coupled server
+    does not) and ``completion_tokens_details``: vLLM's /derender does not count reasoning tokens."""
+    if value is None:
+        return None
+    return {k: v for k, v in value.items() if v is not None and k != "completion_tokens_details"}
 
 
 def fold(events: list) -> dict:
@@ -176,7 +201,7 @@ def fold(events: list) -> dict:
     assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
     ids = {e["id"] for e in events if isinstance(e, dict)}
     assert len(ids) == 1 and next(iter(ids)).startswith("chatcmpl-"), ids
-    folded = assemble(events)
+    folded = f32(assemble(events))
     folded["usage"] = usage(folded["usage"])
     return folded
 
@@ -192,10 +217,7 @@ def fold_full(body: dict) -> dict:
         choices.append({"index": c["index"], "role": m["role"], "content": m.get("content"), "reasoning": m.get("reasoning"),
                         "tool_calls": calls, "finish_reason": c["finish_reason"], "stop_reason": c.get("stop_reason"),
                         "logprobs": c.get("logprobs"), "token_ids": c.get("token_ids")})
-    # Counts only: vLLM's non-streaming /derender does not count reasoning tokens
-    # (usage.completion_tokens_details), its coupled server does.
-    counts = {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {"choices": choices, "usage": counts}
+    return {"choices": f32(choices), "usage": usage(body["usage"])}
 
 
 def check_shape(case: Case, message: dict) -> None:
@@ -316,7 +338,7 @@ def test_completions_match_local(stacks, answers):
                 o["top"] += (c.get("logprobs") or {}).get("top_logprobs") or []
         return {"choices": out, "usage": usage(events[-2]["usage"]), "ids": {e["id"] for e in events[:-1]}}
 
-    mine, theirs = texts(local), texts(tier)
+    mine, theirs = f32(texts(local)), f32(texts(tier))
     assert mine["choices"][0]["text"] == answers.tokenizer.decode(ids[:-1])
     assert theirs["ids"] == {next(iter(theirs["ids"]))} and next(iter(theirs["ids"])).startswith("cmpl-")
     del mine["ids"], theirs["ids"]
@@ -342,8 +364,11 @@ def test_refusals(stacks, path, body, status):
     before = len(stacks.sim_requests())
     got, error = call(stacks.tier, path, body)
     assert got == status and error["error"]["code"] == status and error["error"]["message"]
-    if path == "/v1/chat/completions":  # vLLM's own words, from either side
-        assert call(stacks.local, path, body) == (got, error)
+    if path == "/v1/chat/completions":  # the same answer from either side
+        local_status, local_error = call(stacks.local, path, body)
+        assert local_status == got and local_error["error"]["param"] == error["error"]["param"]
+        if status == 404:
+            assert local_error == error
     assert len(stacks.sim_requests()) == before
 
 

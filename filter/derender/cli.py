@@ -105,6 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _import_parser_plugins(args: argparse.Namespace) -> None:
     """``--tool-parser-plugin`` / ``--reasoning-parser-plugin``: register parsers from a file, as vLLM does."""
+    from . import model  # noqa: F401  (vLLM's environment defaults, before vLLM is imported)
+
     if args.tool_parser_plugin:
         from vllm.tool_parsers import ToolParserManager
 

@@ -19,10 +19,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    multiprocess,
+    start_http_server,
+)
 
 log = logging.getLogger("derender.metrics")
 

@@ -76,9 +76,11 @@ class SSEDecoder:
 
     def _line(self, line: bytes, payloads: list[bytes]) -> None:
         if not line:  # a blank line ends the event
-            if self._data:
-                payloads.append(b"\n".join(self._data))
-                self._held -= sum(len(d) + 1 for d in self._data)
+            if self._data:  # (an event whose data is empty is not dispatched, as in browsers)
+                payload = b"\n".join(self._data)
+                if payload:
+                    payloads.append(payload)
+                self._held -= len(payload) + 1
                 self._data = []
             return
         if line.startswith(b":"):  # a comment

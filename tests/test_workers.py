@@ -1,0 +1,91 @@
+"""``derender serve --workers N``: N forked processes on one SO_REUSEPORT port, one supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from stack import DERENDER, Proc, _tcp, free_port, start_envoy, start_sim
+
+
+def _listening(pid: int, port: int) -> bool:
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in psutil.Process(pid).net_connections("tcp"))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_for(check, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
+
+
+@pytest.fixture(scope="module")
+def workers_stack(qwen3_dir):
+    sim, sim_url = start_sim(qwen3_dir)
+    port = free_port()
+    flt = Proc(
+        "filter-workers",
+        [*DERENDER, "serve", "--model", qwen3_dir, "--served-model-name", "qwen3", "--port", str(port), "--producer", sim_url, "--workers", "2"],
+    ).start()
+    procs = [sim, flt]
+    try:
+        flt.wait(lambda: _tcp(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
+        envoy, base = start_envoy(port, sim_url)
+        procs.append(envoy)
+        yield flt, port, base
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_every_worker_listens_on_the_one_port(workers_stack):
+    flt, port, _ = workers_stack
+    workers = psutil.Process(flt.proc.pid).children()
+    assert len(workers) == 2
+    assert all(_wait_for(lambda w=w: _listening(w.pid, port)) for w in workers)
+    assert not _listening(flt.proc.pid, port)  # the supervisor does not serve
+
+
+def test_a_chat_stream_through_envoy(workers_stack):
+    from openai import OpenAI
+
+    _, _, base = workers_stack
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for _ in range(4):  # new streams, whichever worker Envoy's connection reached
+        chunks = list(client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "two workers"}], stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "two workers"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_dead_worker_stops_the_rest(workers_stack):
+    flt, _, _ = workers_stack
+    workers = psutil.Process(flt.proc.pid).children()
+    os.kill(workers[0].pid, signal.SIGKILL)
+    assert flt.proc.wait(timeout=30) == 1  # the supervisor exits non-zero...
+    assert _wait_for(lambda: not workers[1].is_running() or workers[1].status() == psutil.STATUS_ZOMBIE)  # ...after stopping the other
+
+
+def test_sigterm_stops_supervisor_and_workers(qwen3_dir):
+    port = free_port()
+    flt = Proc(
+        "filter-workers-term",
+        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2"],
+    ).start()
+    try:
+        flt.wait(lambda: _tcp(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
+        workers = psutil.Process(flt.proc.pid).children()
+        os.kill(flt.proc.pid, signal.SIGTERM)  # the supervisor alone, not the process group
+        assert flt.proc.wait(timeout=30) == 0
+        assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))
+        assert not _tcp(port)
+    finally:
+        flt.stop()
