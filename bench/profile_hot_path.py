@@ -111,11 +111,16 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--when-told", action="store_true", help="load, print 'loaded', measure after a line on stdin")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     lengths = [int(x) for x in args.lengths.split(",")]
-    result = asyncio.run(measure(hermes_model(model_dir), model_dir, lengths, args.repeat, args.profile))
+    model = hermes_model(model_dir)
+    if args.when_told:
+        print("loaded", flush=True)
+        sys.stdin.readline()
+    result = asyncio.run(measure(model, model_dir, lengths, args.repeat, args.profile))
     if args.json:
         print(json.dumps(result))
         return 0

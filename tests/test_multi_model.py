@@ -15,15 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import yaml
-from openai import OpenAI
-
 from derender import config, envoy_config
+from openai import OpenAI
 from stack import LOGS, free_port, http_get, start_sim
 
 BIN = Path(sys.executable).parent
@@ -37,16 +37,27 @@ R1_MESSAGE = "RoutingCheck:ok!"
 class Fleet:
     def __init__(self, qwen3_dir: str, deepseek_dir: str, folder: Path) -> None:
         self.procs = []
-        self.qwen3_sim, self.qwen3_url = start_sim(qwen3_dir)
-        self.procs.append(self.qwen3_sim)
-        self.r1_sim, self.r1_url = start_sim(deepseek_dir)
-        self.procs.append(self.r1_sim)
+        try:
+            self._start(qwen3_dir, deepseek_dir, folder)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, qwen3_dir: str, deepseek_dir: str, folder: Path) -> None:
+        self.qwen3_urls = []
+        for _ in range(2):  # one cluster, two producers: Envoy balances, aborts go to both
+            sim, url = start_sim(qwen3_dir)
+            self.procs.append(sim)
+            self.qwen3_urls.append(url)
+        sim, self.r1_url = start_sim(deepseek_dir)
+        self.procs.append(sim)
+        self.r1_urls = [self.r1_url]
         self.config = folder / "models.yaml"
         self.config.write_text(yaml.safe_dump({"models": [
             {"name": ["qwen3", "qwen3-alias"], "model": qwen3_dir, "max_model_len": 4096, "reasoning_parser": "qwen3",
              "tool_call_parser": "hermes", "enable_auto_tool_choice": True,
              "default_chat_template_kwargs": {"enable_thinking": False},
-             "producer": {"cluster": "qwen3-producers", "url": self.qwen3_url}},
+             "producer": {"cluster": "qwen3-producers", "url": self.qwen3_urls}},
             {"name": "r1", "model": os.path.relpath(deepseek_dir, folder), "max_model_len": 8192,
              "reasoning_parser": "deepseek_r1", "producer": {"cluster": "r1-producers", "url": self.r1_url}},
         ]}))
@@ -59,25 +70,28 @@ class Fleet:
         )
         ready = self.up.stdout.readline()
         if f"http://127.0.0.1:{self.port}/v1" not in ready:
-            self.stop()
             self.log.seek(0)
             raise RuntimeError(f"derender up --config did not start: {ready!r}\n{self.log.read()[-3000:]}")
         self.base = f"http://127.0.0.1:{self.port}"
         self.client = OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
 
-    def requests(self, sim_url: str) -> list[dict]:
-        return json.loads(http_get(sim_url + "/sim/requests")[1])
+    def requests(self, *urls: str) -> list[dict]:
+        """What these producers got, all of them."""
+        return [r for url in urls for r in json.loads(http_get(url + "/sim/requests")[1])]
 
     def stop(self) -> None:
-        if self.up.poll() is None:
-            self.up.send_signal(signal.SIGTERM)
+        up = getattr(self, "up", None)
+        if up is not None and up.poll() is None:
+            up.send_signal(signal.SIGTERM)
             try:
-                self.up.wait(timeout=30)
+                up.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.up.pid, signal.SIGKILL)
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait()
         for proc in self.procs:
             proc.stop()
-        self.log.close()
+        if hasattr(self, "log"):
+            self.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -104,20 +118,22 @@ def chat(fleet: Fleet, model: str, message: str, **kw) -> str:
 @pytest.mark.parametrize(
     "model, own, other, turn",
     [
-        ("qwen3", "qwen3_url", "r1_url", "<|im_start|>user\n"),
-        ("qwen3-alias", "qwen3_url", "r1_url", "<|im_start|>user\n"),
-        ("r1", "r1_url", "qwen3_url", "<｜User｜>"),
+        ("qwen3", "qwen3_urls", "r1_urls", "<|im_start|>user\n"),
+        ("qwen3-alias", "qwen3_urls", "r1_urls", "<|im_start|>user\n"),
+        ("r1", "r1_urls", "qwen3_urls", "<｜User｜>"),
     ],
 )
 def test_each_model_reaches_its_own_producer(fleet, qwen3_tokenizer, deepseek_tokenizer, model, own, other, turn):
-    own_url, other_url = getattr(fleet, own), getattr(fleet, other)
-    before_own, before_other = len(fleet.requests(own_url)), len(fleet.requests(other_url))
+    own_urls, other_urls = getattr(fleet, own), getattr(fleet, other)
+    before_own = {url: len(fleet.requests(url)) for url in own_urls}
+    before_other = len(fleet.requests(*other_urls))
     message = R1_MESSAGE if model == "r1" else MESSAGE
     text = chat(fleet, model, message)
-    assert len(fleet.requests(other_url)) == before_other
-    assert len(fleet.requests(own_url)) == before_own + 1
+    assert len(fleet.requests(*other_urls)) == before_other
+    got = [url for url in own_urls if len(fleet.requests(url)) == before_own[url] + 1]
+    assert len(got) == 1 and sum(len(fleet.requests(url)) for url in own_urls) == sum(before_own.values()) + 1
     tokenizer = deepseek_tokenizer if model == "r1" else qwen3_tokenizer
-    prompt = tokenizer.decode(fleet.requests(own_url)[-1]["token_ids"], skip_special_tokens=False)
+    prompt = tokenizer.decode(fleet.requests(got[0])[-1]["token_ids"], skip_special_tokens=False)
     assert turn + message in prompt  # rendered with this model's own chat template
     assert text.strip() == message
 
@@ -135,10 +151,10 @@ def test_streaming_and_completions_are_routed(fleet, deepseek_tokenizer):
 
 
 def test_request_without_a_model_goes_to_the_first(fleet):
-    before = len(fleet.requests(fleet.qwen3_url))
+    before = len(fleet.requests(*fleet.qwen3_urls))
     r = httpx.post(fleet.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
     assert r.status_code == 200, r.text
-    assert len(fleet.requests(fleet.qwen3_url)) == before + 1
+    assert len(fleet.requests(*fleet.qwen3_urls)) == before + 1
 
 
 def test_the_client_cannot_pick_the_cluster(fleet):
@@ -150,7 +166,7 @@ def test_the_client_cannot_pick_the_cluster(fleet):
 
 
 def test_unknown_model_is_vllms_404(fleet):
-    before = [len(fleet.requests(u)) for u in (fleet.qwen3_url, fleet.r1_url)]
+    before = [len(fleet.requests(u)) for u in (*fleet.qwen3_urls, fleet.r1_url)]
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"}), ("/tokenize", {"prompt": "hi"})]:
         r = httpx.post(fleet.base + path, json={"model": "gpt-4", **body}, timeout=60)
@@ -161,7 +177,27 @@ def test_unknown_model_is_vllms_404(fleet):
                          "type": "NotFoundError", "param": "model", "code": 404}
     with pytest.raises(openai.NotFoundError):
         fleet.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
-    assert [len(fleet.requests(u)) for u in (fleet.qwen3_url, fleet.r1_url)] == before
+    assert [len(fleet.requests(u)) for u in (*fleet.qwen3_urls, fleet.r1_url)] == before
+
+
+def test_client_disconnect_aborts_on_every_producer_of_the_cluster(fleet):
+    for url in fleet.qwen3_urls:
+        assert httpx.post(url + "/sim/config", json={"delay": 0.02}, timeout=10).status_code == 200
+    try:
+        body = {"model": "qwen3", "messages": [{"role": "user", "content": "word " * 300}], "stream": True}
+        with httpx.stream("POST", fleet.base + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        engine_id = "generate-tokens-" + first["id"].removeprefix("chatcmpl-")
+        aborted = lambda url: engine_id in json.loads(http_get(url + "/sim/aborted")[1])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(aborted(u) for u in fleet.qwen3_urls):
+            time.sleep(0.1)
+        assert all(aborted(u) for u in fleet.qwen3_urls)
+        assert not aborted(fleet.r1_url)
+    finally:
+        for url in fleet.qwen3_urls:
+            httpx.post(url + "/sim/config", json={"delay": 0.0}, timeout=10)
 
 
 def test_models_lists_every_model(fleet):
@@ -251,5 +287,5 @@ def test_config_entries(tmp_path, qwen3_dir):
 
 def test_serve_refuses_model_flags_with_a_config(tmp_path):
     r = subprocess.run([str(BIN / "derender"), "serve", "--config", str(tmp_path / "x.yaml"), "--model", "m"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "--config lists the models: drop --model" in r.stderr

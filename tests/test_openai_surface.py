@@ -17,7 +17,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from parity_cases import Case, Choice, chunked, logprob_rows
 from reference import CoupledChat, ScriptedEngine
 
@@ -277,8 +276,9 @@ TOKENIZE = [
 
 @pytest.mark.parametrize("path, body", TOKENIZE, ids=["prompt", "token-strs", "chat", "detokenize", "unknown-model", "invalid"])
 def test_tokenize_and_detokenize_as_vllm(sim, coupled, path, body):
-    from pydantic import TypeAdapter, ValidationError
     from types import SimpleNamespace
+
+    from pydantic import TypeAdapter, ValidationError
     from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
     before = len(sim.sim_requests())

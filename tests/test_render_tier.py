@@ -25,8 +25,7 @@ import httpx
 import numpy as np
 import pytest
 from aiohttp import web
-
-from parity_cases import CASES, STOP_TEXT, ANSWERS, Case, cases_for
+from parity_cases import ANSWERS, CASES, STOP_TEXT, Case, cases_for
 from parity_compare import assemble, id_shape
 from stack import DERENDER, Proc, _ok, _tcp, free_port, http_get, start_envoy, start_sim
 
@@ -72,7 +71,7 @@ class Recorder:
         self.loop.run_until_complete(start())
         self.loop.run_forever()
 
-    def start(self) -> "Recorder":
+    def start(self) -> Recorder:
         self.thread.start()
         return self
 
@@ -115,7 +114,7 @@ class Stacks:
         local = self._proc("filter", [*serve, "--model", qwen3_dir, *FLAGS, "--port", str(local_port)])
         tier = self._proc("filter-tier", [*serve, "--render-url", self.recorder.url, "--port", str(tier_port)])
         for proc, port in ((tier, tier_port), (local, local_port)):  # all of them load at once
-            proc.wait(lambda: _tcp(port), 600)
+            proc.wait(lambda port=port: _tcp(port), 600)
         render.wait(lambda: _ok(self.render_url + "/health"), 600)
         # Envoy waits up to MESSAGE_TIMEOUT for each ext_proc answer; this machine is shared.
         envoy, self.local = start_envoy(local_port, self.sim_url, MESSAGE_TIMEOUT="60s")
@@ -124,7 +123,7 @@ class Stacks:
         self.procs.append(envoy)
 
     def sim_config(self, **knobs) -> None:
-        defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
+        defaults = {"mode": "script", "tokens_per_event": 1, "delay": 0.0, "finish_only_tail": False, "split_writes": 1}
         r = httpx.post(self.sim_url + "/sim/config", json={**defaults, **knobs}, timeout=10)
         assert r.status_code == 200, r.text
 
@@ -346,7 +345,7 @@ def test_completions_match_local(stacks, answers):
     full = {**body, "stream": False}
     full.pop("stream_options")
     local, tier = both(stacks, "/v1/completions", full)
-    strip = lambda r: [{"text": c["text"], "finish_reason": c["finish_reason"], "tokens": c["logprobs"]["tokens"]} for c in r["choices"]]  # noqa: E731
+    strip = lambda r: [{"text": c["text"], "finish_reason": c["finish_reason"], "tokens": c["logprobs"]["tokens"]} for c in r["choices"]]
     assert strip(tier) == strip(local) and usage(tier["usage"]) == usage(local["usage"])
 
 
@@ -408,6 +407,7 @@ def test_tier_answers_carry_the_render_id(stacks, answers):
     case = CASES["plain chunks=1"](answers)
     body = setup_case(stacks, case)
     status, events = call(stacks.tier, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    assert status == 200
     chunks = [e for e in events if isinstance(e, dict)]
     assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
     assert chunks[0]["id"].startswith("chatcmpl-")

@@ -46,14 +46,18 @@ def served(args: argparse.Namespace):
     """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags."""
     from .model import Model
     from .producer import Producer
-    from .routes import Backend
+    from .routes import Backend, producers
 
     if args.config:
         from . import config
 
+        try:
+            entries = config.load(args.config)
+        except config.ConfigError as exc:
+            raise SystemExit(f"derender: {exc}") from None
         return [
-            Backend(e.names, Producer(e.producer_url), e.cluster, Model(e.spec) if e.spec else None, e.render_url)
-            for e in config.load(args.config)
+            Backend(e.names, producers(e.producer_urls), e.cluster, Model(e.spec) if e.spec else None, e.render_url)
+            for e in entries
         ]
     if args.render_url:
         return Backend(args.served_model_name or [], Producer(args.producer), render_url=args.render_url)

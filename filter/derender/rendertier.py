@@ -38,7 +38,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .chat import ResponseStart, Rewrite, producer_error
+from . import metrics
+from .chat import OPERATIONS, ResponseStart, Rewrite, producer_error
 from .errors import HTTPError, dumps, error_body, error_event
 from .producer import GENERATE_PATH, Producer
 from .sse import SSEDecoder
@@ -138,9 +139,13 @@ class TierExchange:
         self.client_request: Any = None
         self.generate: dict[str, Any] = {}
         self.stream: TierStream | None = None
-        self.status = 0
+        self.status = 0  # the producer's
+        self.client_status = 0  # what the client got
+        self.error: str | None = None  # the first failure, as the request log names it
+        self._completion_tokens: int | None = None  # non-streaming
         self._sse = SSEDecoder()
         self._started = time.monotonic()
+        self._first_token: float | None = None
         self._aborted = False
 
     @property
@@ -153,6 +158,13 @@ class TierExchange:
 
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
+        try:
+            return await self._render(body)
+        except HTTPError as exc:
+            self.client_status = exc.status
+            raise
+
+    async def _render(self, body: bytes) -> Rewrite:
         from .completions import ONE_PROMPT
 
         headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
@@ -179,7 +191,9 @@ class TierExchange:
 
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int) -> ResponseStart:
-        self.status = status
+        self.status = self.client_status = status
+        if status != 200:
+            self._failed("producer_status")
         if status == 200 and self.generate.get("stream"):
             self.stream = TierStream(self.generate["sampling_params"].get("n") or 1)
             return ResponseStart(
@@ -203,6 +217,8 @@ class TierExchange:
             out.append(await self._event(payload))
         if end:
             out.append(self._end())
+        if self._first_token is None and self.stream.completion_tokens:
+            self._first_token = time.monotonic()
         return b"".join(out)
 
     async def _event(self, payload: bytes) -> bytes:
@@ -222,6 +238,7 @@ class TierExchange:
             error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
             code = error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            self._failed("producer_error")
             return self._fail(status, str(error.get("message", "producer error")), error.get("type"))
         stream.producer_request_id = stream.producer_request_id or event.get("request_id")
         choices = event.get("choices") or []
@@ -243,6 +260,7 @@ class TierExchange:
         )
         if status != 200:
             error = tier_error(status, data)
+            self._failed("render_tier")
             self._abort("derender failed")
             return self._fail(error.status, error.message, error.type)
         answer = orjson.loads(data)
@@ -264,6 +282,7 @@ class TierExchange:
         if stream.finished:
             return b""
         if len(stream.done) < stream.n:
+            self._failed("producer_incomplete")
             return self._fail(502, "the producer's stream ended before the generation finished")
         stream.finished = True
         return DONE
@@ -282,7 +301,10 @@ class TierExchange:
             return producer_error(self.status, body), None
         try:
             response = orjson.loads(body)
-        except ValueError as exc:
+            self._completion_tokens = sum(len(c.get("token_ids") or ()) for c in response.get("choices") or ())
+        except (ValueError, AttributeError, TypeError) as exc:
+            self._failed("producer_response")
+            self.client_status = 502
             return error_body(502, f"invalid producer response: {exc}"), 502
         ids, prompt_tokens = self.prompt_token_ids, len(self.prompt_token_ids)
         if self.endpoint is CHAT:
@@ -293,25 +315,54 @@ class TierExchange:
         status, data = await self.tier.call("POST", self.endpoint.derender_path, orjson.dumps(request))
         if status != 200:
             error = tier_error(status, data)
+            self._failed("render_tier")
+            self.client_status = error.status
             return error.body(), error.status
         result = orjson.loads(data)
         result["id"] = self.request_id
         return dumps(result), None
 
+    def _failed(self, error: str) -> None:
+        self.error = self.error or error
+
     def close(self, complete: bool) -> None:
+        """The exchange is over: abort a producer request nobody reads, count it, log one line."""
         stream = self.stream
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
-        log.info(
-            "%s (render tier) request_id=%s status=%s stream=%s tokens=%s complete=%s duration_ms=%.1f",
-            self.endpoint.name,
-            self.request_id or None,
-            self.status,
-            bool(self.generate.get("stream")),
-            stream.completion_tokens if stream else None,
-            complete,
-            (time.monotonic() - self._started) * 1000,
-        )
+        elapsed = time.monotonic() - self._started
+        ttft = self._first_token - self._started if self._first_token is not None else None
+        tokens = stream.completion_tokens if stream is not None else self._completion_tokens
+        error = self.error or (None if complete else "cancelled")
+        if error is None and self.client_status >= 400:
+            error = str(self.client_status)
+        model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
+        model = model or self.generate.get("model")
+        if self.generate:
+            metrics.chat_done(
+                OPERATIONS.get(self.endpoint.name, self.endpoint.name),
+                model or "",
+                prompt_tokens=len(self.prompt_token_ids),
+                completion_tokens=tokens,
+                duration=elapsed,
+                time_to_first_token=ttft,
+                error_type=error or "",
+            )
+        fields = {
+            "request_id": self.request_id or None,
+            "x_request_id": self.x_request_id,
+            "model": model,
+            "render_tier": self.tier.url,
+            "status": self.client_status,
+            "stream": bool(self.generate.get("stream")),
+            "prompt_tokens": len(self.prompt_token_ids) if self.generate else None,
+            "completion_tokens": tokens,
+            "complete": complete,
+            "error": error,
+            "duration_ms": round(elapsed * 1000, 1),
+            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        }
+        log.info(self.endpoint.name, extra={"fields": fields})
 
     def _abort(self, why: str) -> None:
         if self._aborted or not self.generate:

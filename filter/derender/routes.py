@@ -40,7 +40,7 @@ class Reply:
     content_type: str = "application/json"
 
     @classmethod
-    def error(cls, exc: HTTPError) -> "Reply":
+    def error(cls, exc: HTTPError) -> Reply:
         return cls(exc.status, exc.body())
 
 
@@ -51,13 +51,29 @@ def model_not_found(name: str, aliases: list[str]) -> HTTPError:
     )
 
 
+class ClusterProducers:
+    """The producers of one Envoy cluster. Envoy picked one for each request and the
+    filter does not know which, so an abort goes to all of them (vLLM ignores unknown ids)."""
+
+    def __init__(self, urls: list[str] | tuple[str, ...]) -> None:
+        self.producers = [Producer(url) for url in urls]
+
+    def abort_soon(self, request_id: str, why: str) -> None:
+        for producer in self.producers:
+            producer.abort_soon(request_id, why)
+
+
+def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
+    return Producer(urls[0]) if len(urls) == 1 else ClusterProducers(urls)
+
+
 class Backend:
     """One served model: its names, how it is rendered and its producer cluster."""
 
     def __init__(
         self,
         names: list[str] | tuple[str, ...],
-        producer: Producer,
+        producer: Producer | ClusterProducers,
         cluster: str = DEFAULT_CLUSTER,
         model: Model | None = None,
         render_url: str | None = None,
@@ -77,7 +93,7 @@ class Backend:
             serving_completion(model)
 
     @classmethod
-    def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> "Backend":
+    def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> Backend:
         return cls(model.served_names, producer, cluster, model=model)
 
     def exchange(self, path: str, x_request_id: str | None) -> Any:
@@ -112,7 +128,7 @@ class Backend:
 class ModelExchange:
     """Picks the backend from the body's ``model``, then hands everything to its exchange."""
 
-    def __init__(self, router: "Router", path: str, x_request_id: str | None) -> None:
+    def __init__(self, router: Router, path: str, x_request_id: str | None) -> None:
         self.router = router
         self.path = path
         self.x_request_id = x_request_id

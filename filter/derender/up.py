@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
         metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
         stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics])
-        stack.wait_until("filter", lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180)
+        stack.wait_until("filter", lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
 
         config = envoy_config.render(
             "multi.yaml" if entries else "local.yaml",

@@ -1,0 +1,440 @@
+"""A bad day, through the real Envoy: producer faults, filter faults, slow clients, bad input.
+
+Every fault case checks what the client got (every token that reached it, then
+a clear error, never raw producer events), that nothing hangs, and that the
+filter goes on serving: a healthy stream running at the same time completes
+with all its text. Expected text always comes from the tokenizer decoding the
+token ids, never from the filter's output.
+
+The simulator's ``fault`` knob (see ``derender.sim.FAULTS``) makes the producer
+misbehave at event ``fault_after`` for the requests that follow.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from stack import Proc, free_port, start_envoy, start_filter
+
+IM_END = 151645
+RAW_MARKERS = (b'"output_mode"', b'"token_ids":[', b'"request_id":"generate-tokens')  # producer event fields
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def chat(stream: bool = True, **kw) -> dict:
+    return {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": stream, **kw}
+
+
+def events_of(data: bytes) -> list:
+    events = []
+    for block in data.decode("utf-8", "replace").split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[6:]
+            events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def text_of(events: list, field: str = "content") -> str:
+    return "".join(
+        c["delta"].get(field) or "" for e in events if isinstance(e, dict) and "choices" in e for c in e["choices"]
+    )
+
+
+def assert_nothing_raw(data: bytes) -> None:
+    for marker in RAW_MARKERS:
+        assert marker not in data, f"producer field {marker!r} reached the client"
+
+
+def wait_for(check, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sim_received(stack_or_url) -> int:
+    url = stack_or_url if isinstance(stack_or_url, str) else stack_or_url.sim_url
+    return httpx.get(url + "/sim/stats", timeout=10).json()["received"]
+
+
+def engine_id(events: list) -> str:
+    """The producer's id for this request (Envoy's x-request-id rides in the chunk id)."""
+    first = next(e for e in events if isinstance(e, dict) and "id" in e)
+    return "generate-tokens-" + first["id"].removeprefix("chatcmpl-")
+
+
+class HealthyStream:
+    """A slow, normal stream running in the background while a fault happens elsewhere."""
+
+    def __init__(self, stack, script, tok, base_url: str | None = None) -> None:
+        self.ids = encode(tok, "healthy " * 10 + "stream: 🤖 你好 done")
+        self.expected = tok.decode(self.ids)
+        self.url = (base_url or stack.base_url) + "/chat/completions"
+        self.data = b""
+        self.error: BaseException | None = None
+        script.set({"index": 0, "token_ids": self.ids + [IM_END]})
+        before = sim_received(stack)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: sim_received(stack) > before, what="the healthy stream to reach the producer")
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=chat(), timeout=60) as r:
+                self.data = r.read()
+        except BaseException as exc:  # noqa: BLE001 (reported by check())
+            self.error = exc
+
+    def check(self) -> None:
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the healthy stream hung"
+        assert self.error is None, self.error
+        events = events_of(self.data)
+        assert events[-1] == "[DONE]" and text_of(events) == self.expected
+
+
+@pytest.fixture()
+def faulty(sim, script, qwen3_tokenizer):
+    """The stack with a slow producer (so faults happen mid-stream) and a healthy stream running."""
+    sim.sim_config(delay=0.04)
+    healthy = HealthyStream(sim, script, qwen3_tokenizer)
+    yield sim
+    healthy.check()
+    sim.sim_config()  # faults off
+
+
+# -- producer faults ------------------------------------------------------------------------
+MALFORMED = ["garbage", "truncated_json", "unknown_output_mode", "out_of_vocab", "unknown_index"]
+
+
+@pytest.mark.parametrize("fault", MALFORMED)
+def test_malformed_producer_stream(faulty, script, qwen3_tokenizer, fault):
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    faulty.sim_config(delay=0.04, fault=fault, fault_after=3)
+    with httpx.stream("POST", faulty.base_url + "/chat/completions", json=chat(), timeout=30) as r:
+        assert r.status_code == 200
+        data = r.read()
+    assert_nothing_raw(data)
+    events = events_of(data)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == 502 and "producer" in error["message"]
+    assert text_of(events[:-2]) == qwen3_tokenizer.decode(ids[:3])  # every token before the fault
+    # The producer went on generating: the filter aborts it.
+    wait_for(lambda: engine_id(events) in faulty.sim_aborted(), what="the producer request to be aborted")
+
+
+@pytest.mark.parametrize("fault", MALFORMED)
+def test_malformed_producer_response_non_streaming(sim, script, qwen3_tokenizer, fault):
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "one two three") + [IM_END]})
+    sim.sim_config(fault=fault, fault_after=0)
+    r = httpx.post(sim.base_url + "/chat/completions", json=chat(stream=False), timeout=30)
+    assert r.status_code == 502, r.text
+    assert_nothing_raw(r.content)
+    error = r.json()["error"]
+    assert error["code"] == 502 and "producer" in error["message"]
+
+
+@pytest.fixture(scope="module")
+def dead_producer_envoy(plain_stack):
+    """An Envoy whose producer cluster points at a port nobody listens on (same filter)."""
+    envoy, base = start_envoy(plain_stack.filter_port, f"http://127.0.0.1:{free_port()}")
+    yield base
+    envoy.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_producer_refuses_connection(sim, dead_producer_envoy, stream):
+    r = httpx.post(dead_producer_envoy + "/v1/chat/completions", json=chat(stream=stream), timeout=30)
+    assert r.status_code == 503
+    assert_nothing_raw(r.content)
+    error = r.json()["error"]
+    assert error["code"] == 503 and error["message"]
+    # The filter goes on serving the producer that is up.
+    sim.sim_config(mode="echo")
+    ok = httpx.post(sim.base_url + "/chat/completions", json=chat(stream=False), timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "hi"
+
+
+def read_until_content(lines, count: int) -> tuple[list, bytes]:
+    """Read SSE lines until ``count`` content chunks arrived."""
+    events, raw = [], b""
+    for line in lines:
+        raw += line.encode() + b"\n"
+        if line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+            if sum(1 for e in events if e["choices"] and e["choices"][0]["delta"].get("content")) == count:
+                return events, raw
+    raise AssertionError("the stream ended early")
+
+
+def test_producer_dies_mid_stream(faulty, script, qwen3_tokenizer):
+    """The producer drops the connection without ending the body, after 4 tokens reached the client."""
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    faulty.sim_config(delay=0.04, fault="stall", fault_after=4)
+    with httpx.stream("POST", faulty.base_url + "/chat/completions", json=chat(), timeout=30) as r:
+        lines = r.iter_lines()
+        events, raw = read_until_content(lines, 4)
+        faulty.sim_config(delay=0.04, fault="die")  # the stalled request dies now
+        with pytest.raises(httpx.RemoteProtocolError):  # the body is cut: no [DONE], no clean end
+            for line in lines:
+                raw += line.encode() + b"\n"
+    assert_nothing_raw(raw)
+    assert text_of(events) == qwen3_tokenizer.decode(ids[:4])
+
+
+def test_producer_dies_before_answering(sim, script, qwen3_tokenizer):
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "one two") + [IM_END]})
+    sim.sim_config(fault="die", fault_after=0)
+    r = httpx.post(sim.base_url + "/chat/completions", json=chat(stream=False), timeout=30)
+    assert r.status_code == 503
+    assert_nothing_raw(r.content)
+    assert r.json()["error"]["code"] == 503
+
+
+@pytest.fixture(scope="module")
+def short_idle_envoy(plain_stack):
+    """The same filter and producer behind an Envoy whose stream idle timeout is 2 s."""
+    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, IDLE_TIMEOUT="2s")
+    yield base
+    envoy.stop()
+
+
+def test_producer_stalls_mid_stream(faulty, script, qwen3_tokenizer, short_idle_envoy):
+    """Nothing for longer than the idle timeout: Envoy cuts the stream, the filter aborts the request."""
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    faulty.sim_config(delay=0.04, fault="stall", fault_after=4)
+    with httpx.stream("POST", short_idle_envoy + "/v1/chat/completions", json=chat(), timeout=60) as r:
+        lines = r.iter_lines()
+        events, raw = read_until_content(lines, 4)
+        with pytest.raises(httpx.RemoteProtocolError):
+            for line in lines:
+                raw += line.encode() + b"\n"
+    assert_nothing_raw(raw)
+    assert text_of(events) == qwen3_tokenizer.decode(ids[:4])
+    wait_for(lambda: engine_id(events) in faulty.sim_aborted(), what="the stalled request to be aborted")
+
+
+def test_producer_stalls_before_answering(sim, script, qwen3_tokenizer, short_idle_envoy):
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "one two") + [IM_END]})
+    sim.sim_config(fault="stall", fault_after=0)
+    r = httpx.post(short_idle_envoy + "/v1/chat/completions", json=chat(stream=False), timeout=60)
+    assert r.status_code in (408, 504), r.text
+    assert r.json()["error"]["code"] == r.status_code
+
+
+# -- filter faults --------------------------------------------------------------------------
+PLUGIN = '''
+from vllm.tool_parsers import ToolParserManager
+from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+
+@ToolParserManager.register_module("raising_hermes")
+class RaisingHermes(Hermes2ProToolParser):
+    """hermes, except that it raises on a call to the tool "explode", as a buggy parser would."""
+
+    def extract_tool_calls_streaming(self, previous_text, current_text, *args, **kwargs):
+        if '"explode"' in current_text:
+            raise RuntimeError("parser failed on odd input")
+        return super().extract_tool_calls_streaming(previous_text, current_text, *args, **kwargs)
+'''
+
+
+class Spare:
+    """A filter of its own (qwen3 + a tool parser that raises on odd input) and its Envoy,
+    sharing the plain stack's producer; it may be killed and restarted."""
+
+    def __init__(self, qwen3_dir: str, plugin: str, producer: str) -> None:
+        self.flags = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
+                      "--reasoning-parser", "qwen3", "--tool-call-parser", "raising_hermes",
+                      "--enable-auto-tool-choice", "--tool-parser-plugin", plugin]
+        self.producer = producer
+        self.filter, self.port = start_filter(self.flags, producer)
+        self.envoy, self.base = start_envoy(self.port, producer)
+
+    def restart_filter(self) -> None:
+        self.filter, _ = start_filter(self.flags, self.producer, port=self.port)
+
+    def stop(self) -> None:
+        self.envoy.stop()
+        self.filter.stop()
+
+
+@pytest.fixture(scope="module")
+def spare(plain_stack, qwen3_dir, tmp_path_factory):
+    plugin = tmp_path_factory.mktemp("plugin") / "raising_hermes.py"
+    plugin.write_text(PLUGIN)
+    s = Spare(qwen3_dir, str(plugin), plain_stack.sim_url)
+    yield s
+    s.stop()
+
+
+TOOLS = [{"type": "function", "function": {"name": "explode", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_parser_raising_ends_only_its_stream(spare, sim, script, qwen3_tokenizer):
+    sim.sim_config(delay=0.04)
+    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1")
+    answer = '<think>\nok\n</think>\n\nSure.<tool_call>\n{"name": "explode", "arguments": {}}\n</tool_call>'
+    ids = encode(qwen3_tokenizer, answer)
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    with httpx.stream("POST", spare.base + "/v1/chat/completions", json=chat(tools=TOOLS), timeout=30) as r:
+        assert r.status_code == 200
+        data = r.read()
+    assert_nothing_raw(data)
+    events = events_of(data)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "parser failed on odd input"
+    assert text_of(events, "reasoning") == "\nok\n" and text_of(events).strip() == "Sure."
+    wait_for(lambda: engine_id(events) in sim.sim_aborted(), what="the failed stream's producer request to be aborted")
+    healthy.check()  # the other stream on the same filter went on
+
+
+def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_tokenizer):
+    ids = encode(qwen3_tokenizer, "word " * 200)
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    sim.sim_config(delay=0.03)
+    with httpx.stream("POST", spare.base + "/v1/chat/completions", json=chat(), timeout=30) as r:
+        lines = r.iter_lines()
+        events, raw = read_until_content(lines, 5)
+        spare.filter.stop(signal.SIGKILL)  # the whole filter (all its workers), no goodbye
+        with pytest.raises(httpx.RemoteProtocolError):
+            for line in lines:
+                raw += line.encode() + b"\n"
+    assert_nothing_raw(raw)  # Envoy never lets raw producer events through
+    assert text_of(events) == qwen3_tokenizer.decode(ids[:5])
+
+    # While it is down: a clean OpenAI-shaped error, and nothing reaches the producer.
+    sim.sim_config()
+    before = sim_received(sim)
+    for stream in (False, True):
+        r = httpx.post(spare.base + "/v1/chat/completions", json=chat(stream=stream), timeout=30)
+        assert r.status_code >= 500
+        assert_nothing_raw(r.content)
+        assert r.json()["error"]["code"] == r.status_code
+    assert sim_received(sim) == before
+
+    spare.restart_filter()
+    short = encode(qwen3_tokenizer, "back again")
+    script.set({"index": 0, "token_ids": short + [IM_END]})
+
+    def served():
+        r = httpx.post(spare.base + "/v1/chat/completions", json=chat(stream=False), timeout=30)
+        return r if r.status_code == 200 else None
+
+    r = wait_for(served, 60, "the restarted filter to serve")
+    assert r.json()["choices"][0]["message"]["content"] == qwen3_tokenizer.decode(short)
+
+
+# -- client faults --------------------------------------------------------------------------
+def uss(pid: int) -> int:
+    """Private memory of a process tree (the filter's supervisor and workers), bytes."""
+    root = psutil.Process(pid)
+    return sum(p.memory_full_info().uss for p in [root, *root.children(recursive=True)])
+
+
+def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer):
+    """A client that stops reading: Envoy's buffer fills, Envoy stops reading the producer, the
+    filter gets nothing more to translate; the producer is held back; then every token arrives."""
+    ids = encode(qwen3_tokenizer, "slow reader " * 2000)[:4000]
+    script.set({"index": 0, "token_ids": ids, "finish_reason": "length"})
+    n = 8  # 8 x 4000 tokens with 20 logprobs each: about 60 MB for the client, far above Envoy's 16 MiB
+    sim.sim_config(tokens_per_event=4)
+    filter_pid = sim.proc("filter").proc.pid
+    envoy = psutil.Process(sim.proc("envoy").proc.pid)
+    filter_before, envoy_before = uss(filter_pid), envoy.memory_info().rss
+    body = chat(n=n, logprobs=True, top_logprobs=20, max_tokens=len(ids))
+    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=120) as r:
+        chunks = r.iter_raw(4096)
+        data = next(chunks)
+
+        def held_back():  # the producer's progress stops changing
+            samples = []
+            for _ in range(3):
+                running = httpx.get(sim.sim_url + "/sim/stats", timeout=10).json()["running"]
+                samples.append(sum(running.values()))
+                time.sleep(1)
+            return samples[0] if len(set(samples)) == 1 else None
+
+        sent = wait_for(held_back, 120, "the producer to be held back")
+        filter_growth, envoy_growth = uss(filter_pid) - filter_before, envoy.memory_info().rss - envoy_before
+        assert sent < n * len(ids), "the producer sent everything although nobody read it"
+        assert envoy_growth < 64 << 20 and filter_growth < 128 << 20, (envoy_growth, filter_growth)
+        for chunk in chunks:  # now read it all
+            data += chunk
+    events = events_of(data)
+    assert len(data) > 48 << 20  # the stream was far larger than what Envoy may buffer
+    assert events[-1] == "[DONE]"
+    texts = [""] * n
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+    assert texts == [qwen3_tokenizer.decode(ids)] * n
+    print(f"slow reader: producer held at {sent} of {n * len(ids)} tokens; client got {len(data) >> 20} MiB;"
+          f" growth while held: Envoy RSS {envoy_growth >> 20} MiB, filter USS {filter_growth >> 20} MiB")
+
+
+# -- bad input: a clear OpenAI error, nothing forwarded ----------------------------------------
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "x", "parameters": {"type": "object", "properties": {}}}}
+BAD = {
+    "huge-n": (json.dumps({"model": "qwen3", "messages": MSG, "n": 10**9}).encode(), 400, "n must be"),
+    "max-tokens-beyond-model": (json.dumps({"model": "qwen3", "messages": MSG, "max_tokens": 10**6}).encode(), 400, "max_tokens"),
+    "prompt-beyond-model": (json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "word " * 5000}]}).encode(), 400, "context"),
+    "invalid-utf8": (b'{"model":"qwen3","messages":[{"role":"user","content":"\xff\xfe hi"}]}', 400, "JSON"),
+    "deeply-nested": (b'{"model":"qwen3","messages":' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "recursion"),
+    "wrong-type-temperature": (json.dumps({"model": "qwen3", "messages": MSG, "temperature": "hot"}).encode(), 400, "temperature"),
+    "wrong-type-messages": (json.dumps({"model": "qwen3", "messages": {"role": "user"}}).encode(), 400, "messages"),
+    "wrong-type-content": (json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": 5}]}).encode(), 400, "content"),
+    "nan": (b'{"model":"qwen3","messages":[{"role":"user","content":"hi"}],"temperature":NaN}', 400, "temperature"),
+    "tool-parameters-not-an-object": (
+        json.dumps({"model": "qwen3", "messages": MSG, "tools": [{"type": "function", "function": {"name": "x", "parameters": "s"}}]}).encode(), 400, "parameters"),
+    "tool-without-name": (
+        json.dumps({"model": "qwen3", "messages": MSG, "tools": [{"type": "function", "function": {"parameters": {}}}]}).encode(), 400, "name"),
+    "tool-of-unknown-type": (
+        json.dumps({"model": "qwen3", "messages": MSG, "tools": [{"type": "retrieval", "function": {"name": "x"}}]}).encode(), 400, "function"),
+    "tool-choice-unknown": (json.dumps({"model": "qwen3", "messages": MSG, "tools": [TOOL], "tool_choice": "sometimes"}).encode(), 400, "tool_choice"),
+    "tool-choice-names-a-missing-tool": (
+        json.dumps({"model": "qwen3", "messages": MSG, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "y"}}}).encode(), 400, "tool_choice"),
+    "tool-choice-auto-without-a-tool-parser": (
+        json.dumps({"model": "qwen3", "messages": MSG, "tools": [TOOL], "tool_choice": "auto"}).encode(), 400, "auto"),
+    "reasoning-effort-unknown": (json.dumps({"model": "qwen3", "messages": MSG, "reasoning_effort": "extreme"}).encode(), 400, "reasoning_effort"),
+    "response-format-unknown": (json.dumps({"model": "qwen3", "messages": MSG, "response_format": {"type": "xml"}}).encode(), 400, "response_format"),
+    "chat-template-kwargs-not-an-object": (json.dumps({"model": "qwen3", "messages": MSG, "chat_template_kwargs": "x"}).encode(), 400, "chat_template_kwargs"),
+    "logprobs-beyond-max": (json.dumps({"model": "qwen3", "messages": MSG, "logprobs": True, "top_logprobs": 25}).encode(), 400, "logprobs"),
+    "logit-bias-out-of-vocab": (json.dumps({"model": "qwen3", "messages": MSG, "logit_bias": {"999999": 1}}).encode(), 400, "logit_bias"),
+    "stop-token-out-of-vocab": (json.dumps({"model": "qwen3", "messages": MSG, "stop_token_ids": [10**7]}).encode(), 400, "stop_token_ids"),
+}
+
+
+JSON_CASES = [name for name, (raw, *_) in BAD.items() if raw.startswith(b'{"model": ')]  # parseable: can stream
+
+
+@pytest.mark.parametrize("name, stream", [(name, False) for name in BAD] + [(name, True) for name in JSON_CASES])
+def test_bad_input_is_refused_before_the_producer(sim, name, stream):
+    raw, status, mentions = BAD[name]
+    if stream:  # the same mistake in a streaming request: still a status, not a 200 stream
+        raw = json.dumps({**json.loads(raw), "stream": True}).encode()
+    before = sim_received(sim)
+    r = httpx.post(sim.base_url + "/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == status and error["type"]
+    assert mentions.lower() in (error["message"] + str(error["param"])).lower(), error
+    assert sim_received(sim) == before, "a refused request reached the producer"
