@@ -238,3 +238,10 @@ def test_echo_repeats_the_final_assistant_message(sim, script, qwen3_tokenizer):
     contents = [e["choices"][0]["delta"].get("content") for e in events[1:-1]]
     assert contents[0] == "Once upon"
     assert "".join(c or "" for c in contents) == "Once upon" + qwen3_tokenizer.decode(ids)
+
+
+def test_max_tokens_equal_to_vllms_default_reaches_the_producer(sim, client, script, qwen3_tokenizer):
+    """vLLM drops sampling fields equal to their defaults from its JSON; 16 must still arrive."""
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "x y z") + [IM_END]})
+    client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
+    assert sim.sim_requests()[-1]["sampling_params"]["max_tokens"] == 16

@@ -138,8 +138,15 @@ class ChoiceOutputs:
             rows_ids.append([entry["token_id"]] + [t["token_id"] for t in ranked])
             rows_lps.append([entry["logprob"]] + [t["logprob"] for t in ranked])
             ranks.append(entry.get("rank") or 0)
+        ranks_np = np.array(ranks, dtype=np.int64)
         if len({len(r) for r in rows_ids}) > 1:
-            raise ProducerError("producer sent logprob rows of different widths in one event")
+            # Older producers (vLLM 0.32) cut each row to k candidates, sampled token
+            # first, so rows can differ in width: keep them ragged, one array per row.
+            return LogprobsLists(
+                [np.array(r, dtype=np.int64) for r in rows_ids],  # type: ignore[arg-type]
+                [np.array(r, dtype=np.float32) for r in rows_lps],  # type: ignore[arg-type]
+                ranks_np,
+            )
         ids = np.array(rows_ids, dtype=np.int64).reshape(len(rows_ids), -1)
         lps = np.array(rows_lps, dtype=np.float32).reshape(len(rows_ids), -1)
-        return LogprobsLists(ids, lps, np.array(ranks, dtype=np.int64))
+        return LogprobsLists(ids, lps, ranks_np)

@@ -80,4 +80,9 @@ def producer_body(generate_request: Any) -> bytes:
         params.include_stop_str_in_output = False
         params.output_text_buffer_length = 0
         generate_request = generate_request.model_copy(update={"sampling_params": params})
-    return orjson.dumps(generate_request.model_dump(), option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    body = generate_request.model_dump()
+    # vLLM serializes SamplingParams without fields equal to their defaults, and a
+    # producer fills a missing max_tokens from max_model_len: an explicit 16 (the
+    # default) would be lost. The coupled server honours it, so send it always.
+    body["sampling_params"]["max_tokens"] = params.max_tokens
+    return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
