@@ -31,6 +31,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from bisect import bisect_right
@@ -105,24 +106,35 @@ class Bench:
     # -- processes ------------------------------------------------------------------------
     def start(self) -> None:
         p = procs
-        self.script = p.LOGS / f"script-{os.getpid()}.jsonl"
         p.LOGS.mkdir(parents=True, exist_ok=True)
+        self.script = p.LOGS / f"script-{os.getpid()}.jsonl"
+        self.vllm_script = p.LOGS / f"script-vllm-{os.getpid()}.jsonl"
         self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
-        self.sim_port = p.free_port()
         model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
         workers = ["--workers", str(self.args.workers)]
-        sim_url = f"http://127.0.0.1:{self.sim_port}"
-        self.sim_url = sim_url
-        ports = {name: p.free_port() for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds", "vllm")}
+        ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "plain", "hermes", "hermes-fds",
+                                                   "vllm", "vllm-render")}
+        self.sim_url = sim_url = f"http://127.0.0.1:{ports['sim']}"
+        self.vllm_sim_url = f"http://127.0.0.1:{ports['sim-vllm']}"
         self.vllm_url = f"http://127.0.0.1:{ports['vllm']}"
+        self.render_url = f"http://127.0.0.1:{ports['vllm-render']}"
         derender = [p.PYTHON, "-m", "derender.cli", "--log-level", "warning"]
+
+        def sim(port: int, script: Path) -> list[str]:
+            return [p.PYTHON, str(BENCH / "timed_sim.py"), "--model", self.model_dir, "--port", str(port),
+                    "--mode", "script", "--script", str(script)]
+
+        def vllm(port: int) -> list[str]:
+            return [str(Path(p.PYTHON).parent / "vllm"), "launch", "render", self.model_dir, "--port", str(port),
+                    "--served-model-name", SERVED, "--max-model-len", "40960", *HERMES_FLAGS,
+                    "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+
+        vllm_env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
         started = {
-            "sim": p.Proc("sim", [p.PYTHON, str(BENCH / "timed_sim.py"), "--model", self.model_dir, "--port", str(self.sim_port),
-                                  "--mode", "script", "--script", str(self.script)]),
-            "vllm": p.Proc("vllm-render", [str(Path(p.PYTHON).parent / "vllm"), "launch", "render", self.model_dir,
-                                          "--port", str(ports["vllm"]), "--served-model-name", SERVED, "--max-model-len", "40960",
-                                          *HERMES_FLAGS, "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"],
-                           env={"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}),
+            "sim": p.Proc("sim", sim(ports["sim"], self.script)),
+            "sim-vllm": p.Proc("sim-vllm", sim(ports["sim-vllm"], self.vllm_script)),
+            "vllm": p.Proc("vllm-derender", vllm(ports["vllm"]), env=vllm_env),
+            "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=vllm_env),
             "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *workers]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
                                             "--full-duplex", *workers]),
@@ -135,20 +147,25 @@ class Bench:
         for proc in started.values():
             self.procs.append(proc.start())
         self.start_hot_path()
-        log(f"starting simulator, echo servers, 3 filters and vLLM's render server (logs in {p.LOGS})")
-        started["sim"].wait(lambda: p.http_ok(sim_url + "/health"), 120)
+        log(f"starting 2 simulators, 2 echo servers, 3 filters and 2 vLLM render servers (logs in {p.LOGS})")
+        self.sim, self.vllm = started["sim"], started["vllm"]
+        for name in ("sim", "sim-vllm"):
+            started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 120)
+        for name in ("vllm", "vllm-render"):
+            started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 600)
+        # vLLM's derender streams take minutes of one core: they run beside everything else,
+        # on their own simulator and server; their CPU is counted per process.
+        self.vllm_thread = threading.Thread(target=self.vllm_derender, name="vllm-derender", daemon=True)
+        self.vllm_thread.start()
         for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds"):
-            started[name].wait(lambda port=ports[name]: p.tcp_open(port), 400)
-        started["vllm"].wait(lambda: p.http_ok(self.vllm_url + "/health"), 400)
-        self.vllm = started["vllm"]
-        self.sim = started["sim"]
+            started[name].wait(lambda port=ports[name]: p.tcp_open(port), 600)
         envoys = {
-            "envoy": p.start_envoy("envoy-alone", self.sim_port, None),
-            "echo": p.start_envoy("envoy-echo", self.sim_port, ports["echo"]),
-            "echo-fds": p.start_envoy("envoy-echo-fds", self.sim_port, ports["echo-fds"], full_duplex=True),
-            "plain": p.start_envoy("envoy-plain", self.sim_port, ports["plain"]),
-            "hermes": p.start_envoy("envoy-hermes", self.sim_port, ports["hermes"]),
-            "hermes-fds": p.start_envoy("envoy-hermes-fds", self.sim_port, ports["hermes-fds"], full_duplex=True),
+            "envoy": p.start_envoy("envoy-alone", ports["sim"], None),
+            "echo": p.start_envoy("envoy-echo", ports["sim"], ports["echo"]),
+            "echo-fds": p.start_envoy("envoy-echo-fds", ports["sim"], ports["echo-fds"], full_duplex=True),
+            "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"]),
+            "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"]),
+            "hermes-fds": p.start_envoy("envoy-hermes-fds", ports["sim"], ports["hermes-fds"], full_duplex=True),
         }
         for envoy in envoys.values():
             self.procs.append(envoy.proc)
@@ -184,7 +201,7 @@ class Bench:
         key = json.dumps(chat, sort_keys=True)
         cache = self.__dict__.setdefault("_rendered", {})
         if key not in cache:
-            cache[key] = post(self.vllm_url + "/v1/chat/completions/render", chat)
+            cache[key] = post(self.render_url + "/v1/chat/completions/render", chat)
         return cache[key]
 
     def run_streams(self, config: Config, count: int, concurrency: int, tokens: int) -> dict:
@@ -220,13 +237,13 @@ class Bench:
             log(f"  {config.name}: {len(bad)} of {count} streams failed (status {bad[0].status}, done={bad[0].done})")
         return out
 
-    def warm_up(self, concurrency: int, tokens: int = 64) -> None:
-        """Short streams on every configuration, started over a second: every worker has served
+    def warm_up(self, concurrency: int) -> None:
+        """Short streams on every configuration, started over half a second: every worker has served
         a request (lazy imports, first parser) and Envoy holds ``concurrency`` producer connections."""
-        self.write_script(streams.reasoning_tool_call(self.model_dir, tokens))
+        self.write_script(streams.reasoning_tool_call(self.model_dir, 64)[:40] + streams.reasoning_tool_call(self.model_dir, 64)[-1:])
         for config in self.configs.values():
             url, body = self.request(config)
-            asyncio.run(load.streams(url, body, concurrency, concurrency, ramp=1.0))
+            asyncio.run(load.streams(url, body, concurrency, concurrency, ramp=0.5))
 
     # -- phases ---------------------------------------------------------------------------
     def latency(self) -> dict:
@@ -285,31 +302,39 @@ class Bench:
             log(f"  ours {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
         return out
 
-    def vllm_derender(self) -> dict:
-        """vLLM's streaming derender on the same streams: server CPU per token by length."""
-        plan = self.plan
-        self.sim_config(delay=0.0)
-        chat = streams.chat_request(SERVED, tools=True)
-        generate = self.generate_request(chat)
-        out = {}
-        for n in plan.vllm_lengths:
-            self.write_script(streams.reasoning_tool_call(self.model_dir, n))
-            cpu0 = self.vllm.cpu()
-            start = time.monotonic()
-            run = asyncio.run(load.derender_loop(self.vllm_url, self.sim_url, chat, generate, SERVED))
-            wall = time.monotonic() - start
-            cpu = self.vllm.cpu() - cpu0
-            tail = run["latencies"][-max(1, n // 10):]
-            out[n] = {
-                "calls": run["calls"],
-                "cpu_us_per_token": cpu / n * 1e6,
-                "wall": wall,
-                "call_p50_last10": statistics.median(tail),
-                "fold": streams.fold(run["chunks"]),
-            }
-            log(f"  vLLM derender {n} tokens: server CPU {cpu / n * 1e3:.1f} ms/token, "
-                f"p50 call near the end {out[n]['call_p50_last10'] * 1e3:.0f} ms")
-        return out
+    def vllm_derender(self) -> None:
+        """vLLM's streaming derender on the same streams: server CPU per token by length
+        (in a thread of its own; results in ``self.vllm_results``)."""
+        self.vllm_results: dict = {}
+        try:
+            chat = streams.chat_request(SERVED, tools=True)
+            generate = post(self.render_url + "/v1/chat/completions/render", chat)
+            post(self.vllm_sim_url + "/sim/config", {"delay": 0.0})
+            for n in self.plan.vllm_lengths:
+                self.vllm_script.write_text(streams.script_line(streams.reasoning_tool_call(self.model_dir, n)))
+                cpu0 = self.vllm.cpu()
+                start = time.monotonic()
+                run = asyncio.run(load.derender_loop(self.vllm_url, self.vllm_sim_url, chat, generate, SERVED))
+                wall = time.monotonic() - start
+                cpu = self.vllm.cpu() - cpu0
+                tail = run["latencies"][-max(1, n // 10):]
+                self.vllm_results[n] = {
+                    "calls": run["calls"],
+                    "cpu_us_per_token": cpu / n * 1e6,
+                    "wall": wall,
+                    "call_p50_last10": statistics.median(tail),
+                    "fold": streams.fold(run["chunks"]),
+                }
+                log(f"  vLLM derender {n} tokens: server CPU {cpu / n * 1e3:.1f} ms/token, "
+                    f"p50 call near the end {self.vllm_results[n]['call_p50_last10'] * 1e3:.0f} ms")
+        except Exception as exc:  # noqa: BLE001 - reported; the run goes on
+            log(f"  vLLM derender failed: {exc!r}")
+
+    def vllm_done(self) -> dict:
+        if self.vllm_thread.is_alive():
+            log("waiting for vLLM's derender streams")
+        self.vllm_thread.join()
+        return self.vllm_results
 
     def ttft(self) -> dict:
         """Long prompts: time to first token through the filter vs Envoy alone, and vLLM's /render."""
@@ -330,7 +355,7 @@ class Bench:
                 r, _ = asyncio.run(load.streams(self.configs["envoy"].envoy.url + "/inference/v1/generate", direct, 1, 1))
                 alone.append(r[0].ttft)
                 start = time.monotonic()
-                post(self.vllm_url + "/v1/chat/completions/render", chat)
+                post(self.render_url + "/v1/chat/completions/render", chat)
                 render.append(time.monotonic() - start)
             out[n] = {
                 "prompt_tokens": prompt_tokens,
@@ -440,11 +465,14 @@ def main() -> int:
     results: dict = {"env": environment(args), "plan": plan.__dict__}
     try:
         bench.start()
-        for phase in ("latency", "throughput", "lengths", "ttft", "vllm_derender"):
+        partial = procs.LOGS / f"results-{os.getpid()}.json"
+        for phase in ("latency", "throughput", "lengths", "ttft"):
             log(f"phase: {phase} (load average {os.getloadavg()[0]:.1f})")
             results.setdefault("load_average", {})[phase] = os.getloadavg()[0]
             results[phase] = getattr(bench, phase)()
+            partial.write_text(json.dumps(results, indent=1, default=str))
         results["memory"] = bench.memory()
+        results["vllm_derender"] = bench.vllm_done()
         log("phase: hot_path (in process, no gRPC)")
         results["hot_path"] = bench.hot_path()
     finally:

@@ -64,7 +64,8 @@ def main() -> int:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop, shutdown_timeout=1.0, print=None)
+    # backlog: 256 streams open 256 producer connections at once (aiohttp listens with 128)
+    web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop, shutdown_timeout=1.0, print=None, backlog=4096)
     return 0
 
 

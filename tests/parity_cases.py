@@ -402,7 +402,7 @@ STOP_TEXT = "Count: one two STOP three four. Then more text after the stop 🛑 
 
 def _stop_case(a: Answers, name: str, **params) -> Case:
     ids = a.answer(content=STOP_TEXT)
-    return Case(name, {"messages": QUESTION, "stop": ["STOP", "never-matches-here"], **params},
+    return Case(name, {"messages": QUESTION, "stop": ["STOP", "<<>>"], **params},
                 [chunked(ids, "3-4")], delay=0.01, expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]})
 
 

@@ -50,6 +50,17 @@ def text_of(events: list, field: str = "content") -> str:
     )
 
 
+def answer_of(events: list) -> str:
+    """Reasoning and content together (with a reasoning parser, an answer without
+    ``</think>`` is all reasoning)."""
+    return "".join(
+        (c["delta"].get("reasoning") or "") + (c["delta"].get("content") or "")
+        for e in events
+        if isinstance(e, dict) and "choices" in e
+        for c in e["choices"]
+    )
+
+
 def assert_nothing_raw(data: bytes) -> None:
     for marker in RAW_MARKERS:
         assert marker not in data, f"producer field {marker!r} reached the client"
@@ -103,7 +114,7 @@ class HealthyStream:
         assert not self.thread.is_alive(), "the healthy stream hung"
         assert self.error is None, self.error
         events = events_of(self.data)
-        assert events[-1] == "[DONE]" and text_of(events) == self.expected
+        assert events[-1] == "[DONE]" and answer_of(events) == self.expected
 
 
 @pytest.fixture()
@@ -171,13 +182,14 @@ def test_producer_refuses_connection(sim, dead_producer_envoy, stream):
 
 
 def read_until_content(lines, count: int) -> tuple[list, bytes]:
-    """Read SSE lines until ``count`` content chunks arrived."""
+    """Read SSE lines until ``count`` chunks with text (content or reasoning) arrived."""
     events, raw = [], b""
     for line in lines:
         raw += line.encode() + b"\n"
         if line.startswith("data: "):
+            assert line != "data: [DONE]", "the stream ended early"
             events.append(json.loads(line[6:]))
-            if sum(1 for e in events if e["choices"] and e["choices"][0]["delta"].get("content")) == count:
+            if sum(1 for e in events if e["choices"] and answer_of([e])) == count:
                 return events, raw
     raise AssertionError("the stream ended early")
 
@@ -318,7 +330,7 @@ def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_token
             for line in lines:
                 raw += line.encode() + b"\n"
     assert_nothing_raw(raw)  # Envoy never lets raw producer events through
-    assert text_of(events) == qwen3_tokenizer.decode(ids[:5])
+    assert answer_of(events) == qwen3_tokenizer.decode(ids[:5])
 
     # While it is down: a clean OpenAI-shaped error, and nothing reaches the producer.
     sim.sim_config()
@@ -349,45 +361,54 @@ def uss(pid: int) -> int:
     return sum(p.memory_full_info().uss for p in [root, *root.children(recursive=True)])
 
 
-def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer):
+@pytest.fixture(scope="module")
+def small_buffer_envoy(plain_stack):
+    """The same filter and producer behind an Envoy that buffers at most 1 MiB per connection
+    (the shipped config allows 16 MiB: the same mechanism, a larger bound)."""
+    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, BODY_LIMIT_BYTES=1 << 20)
+    yield envoy, base
+    envoy.stop()
+
+
+def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer, small_buffer_envoy):
     """A client that stops reading: Envoy's buffer fills, Envoy stops reading the producer, the
-    filter gets nothing more to translate; the producer is held back; then every token arrives."""
+    filter gets nothing more to translate, nobody's memory grows; then every token arrives."""
+    envoy_proc, base = small_buffer_envoy
     ids = encode(qwen3_tokenizer, "slow reader " * 2000)[:4000]
     script.set({"index": 0, "token_ids": ids, "finish_reason": "length"})
-    n = 8  # 8 x 4000 tokens with 20 logprobs each: about 60 MB for the client, far above Envoy's 16 MiB
     sim.sim_config(tokens_per_event=4)
     filter_pid = sim.proc("filter").proc.pid
-    envoy = psutil.Process(sim.proc("envoy").proc.pid)
-    filter_before, envoy_before = uss(filter_pid), envoy.memory_info().rss
-    body = chat(n=n, logprobs=True, top_logprobs=20, max_tokens=len(ids))
-    with httpx.stream("POST", sim.base_url + "/chat/completions", json=body, timeout=120) as r:
+    envoy = psutil.Process(envoy_proc.proc.pid)
+    envoy_before = envoy.memory_info().rss
+    body = chat(logprobs=True, top_logprobs=20, max_tokens=len(ids))  # ~2 KB of client JSON per token
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
         chunks = r.iter_raw(4096)
         data = next(chunks)
+
+        def progress() -> int:
+            return sum(httpx.get(sim.sim_url + "/sim/stats", timeout=10).json()["running"].values())
 
         def held_back():  # the producer's progress stops changing
             samples = []
             for _ in range(3):
-                running = httpx.get(sim.sim_url + "/sim/stats", timeout=10).json()["running"]
-                samples.append(sum(running.values()))
+                samples.append(progress())
                 time.sleep(1)
-            return samples[0] if len(set(samples)) == 1 else None
+            return samples[0] if len(set(samples)) == 1 and samples[0] else None
 
         sent = wait_for(held_back, 120, "the producer to be held back")
-        filter_growth, envoy_growth = uss(filter_pid) - filter_before, envoy.memory_info().rss - envoy_before
-        assert sent < n * len(ids), "the producer sent everything although nobody read it"
-        assert envoy_growth < 64 << 20 and filter_growth < 128 << 20, (envoy_growth, filter_growth)
+        filter_held, envoy_held = uss(filter_pid), envoy.memory_info().rss
+        time.sleep(3)  # still not reading
+        assert progress() == sent < len(ids), "the producer was not held back"
+        filter_growth, envoy_growth = uss(filter_pid) - filter_held, envoy.memory_info().rss - envoy_held
+        assert filter_growth < 16 << 20 and envoy_growth < 16 << 20, (filter_growth, envoy_growth)
+        assert envoy.memory_info().rss - envoy_before < 32 << 20
         for chunk in chunks:  # now read it all
             data += chunk
     events = events_of(data)
-    assert len(data) > 48 << 20  # the stream was far larger than what Envoy may buffer
-    assert events[-1] == "[DONE]"
-    texts = [""] * n
-    for e in events[:-1]:
-        for c in e["choices"]:
-            texts[c["index"]] += c["delta"].get("content") or ""
-    assert texts == [qwen3_tokenizer.decode(ids)] * n
-    print(f"slow reader: producer held at {sent} of {n * len(ids)} tokens; client got {len(data) >> 20} MiB;"
-          f" growth while held: Envoy RSS {envoy_growth >> 20} MiB, filter USS {filter_growth >> 20} MiB")
+    assert len(data) > 4 * (1 << 20)  # the stream was several times what Envoy may buffer
+    assert events[-1] == "[DONE]" and text_of(events) == qwen3_tokenizer.decode(ids)
+    print(f"\nslow reader: producer held at {sent} of {len(ids)} tokens; the client got {len(data) >> 20} MiB;"
+          f" growth while held: filter USS {filter_growth >> 10} KiB, Envoy RSS {envoy_growth >> 10} KiB")
 
 
 # -- bad input: a clear OpenAI error, nothing forwarded ----------------------------------------

@@ -349,6 +349,19 @@ def test_completions_match_local(stacks, answers):
     assert strip(tier) == strip(local) and usage(tier["usage"]) == usage(local["usage"])
 
 
+def test_default_max_tokens_reaches_the_producer(stacks, answers):
+    """vLLM's render JSON leaves out max_tokens when it is 16 (the default); a producer would
+    then fill it from max_model_len. Both filters must send 16."""
+    ids = answers.encode("one two three four five six seven eight nine ten " * 3) + [151643]
+    assert len(ids) > 16
+    stacks.script.set({"index": 0, "token_ids": ids})
+    stacks.sim_config()
+    local, tier = both(stacks, "/v1/completions", {"model": "qwen3", "prompt": "Count:"})
+    assert [r["sampling_params"].get("max_tokens") for r in stacks.sim_requests()[-2:]] == [16, 16]
+    assert tier["choices"][0]["text"] == local["choices"][0]["text"] == answers.tokenizer.decode(ids[:16])
+    assert tier["choices"][0]["finish_reason"] == local["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize(
     "path, body, status",
     [

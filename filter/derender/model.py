@@ -128,7 +128,23 @@ class Model:
             tool_strict_level=args.tool_strict_level,
             default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
         )
+        self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
+
+    def _warm_up(self) -> None:
+        """Pay now (once, before workers fork) what vLLM computes on a first request.
+
+        The first logprobs request reads the tokenizer's leading-space marker by
+        serializing the whole tokenizer (seconds for a 200k vocab, long enough on a
+        busy host to trip Envoy's per-message timeout); Harmony loads its encoding.
+        """
+        from vllm.tokenizers.detokenizer_utils import get_leading_space_marker
+
+        get_leading_space_marker(self.tokenizer)  # cached on the tokenizer
+        if self.use_harmony:
+            from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
+
+            get_encoding()
 
     def serves(self, name: str | None) -> bool:
         return not name or name in self.served_names

@@ -68,6 +68,12 @@ def _stream_stop_strings_error() -> str:
     return _STREAM_STOP_STRINGS_ERROR
 
 
+def _default_max_tokens() -> int:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams().max_tokens
+
+
 def tier_error(status: int, body: bytes) -> HTTPError:
     """The render tier's answer (vLLM's ``{"error": {...}}``) as an ``HTTPError``."""
     try:
@@ -180,6 +186,9 @@ class TierExchange:
         if self.endpoint is COMPLETION and self.client_request.get("echo"):
             raise HTTPError(400, NO_ECHO, param="echo")
         params = generate["sampling_params"]
+        # vLLM writes SamplingParams without the fields equal to their defaults, and a producer
+        # fills a missing max_tokens from max_model_len: put back the default (16) it left out.
+        pass
         if params.get("stop"):
             if generate.get("stream"):
                 raise HTTPError(400, _stream_stop_strings_error(), param="stop")
