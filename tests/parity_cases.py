@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import cycle
-from typing import Callable
 
 from reference import Step
 
@@ -107,7 +107,12 @@ class HarmonyAnswers(Answers):
     def __init__(self, model_dir: str) -> None:
         super().__init__(model_dir)
         os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", model_dir)
-        from openai_harmony import HarmonyEncodingName, Message, Role, load_harmony_encoding
+        from openai_harmony import (
+            HarmonyEncodingName,
+            Message,
+            Role,
+            load_harmony_encoding,
+        )
 
         self.encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
         self.message = lambda text: Message.from_role_and_content(Role.ASSISTANT, text)
@@ -188,21 +193,30 @@ class Case:
         return [s[t] for t in range(max(map(len, per_choice))) for s in per_choice if t < len(s)]
 
 
-CHUNKINGS = {
-    "1": lambda n, seed: [1] * n,
-    "3-4": lambda n, seed: _fit(cycle([3, 4]), n),
-    "rand": lambda n, seed: _fit((random.Random(seed).randint(1, 5) for _ in iter(int, 1)), n),
-    "tail": lambda n, seed: [1] * n,
-}
-
-
 def _fit(sizes, n: int) -> list[int]:
+    """Event sizes from an endless iterator, cut to ``n`` tokens."""
     out: list[int] = []
     for size in sizes:
         if sum(out) >= n:
             return out
         out.append(min(size, n - sum(out)))
     return out
+
+
+def _seeded(seed: int):
+    rng = random.Random(seed)
+    while True:
+        yield rng.randint(1, 5)
+
+
+# How engine steps cut an answer: one token per event, speculative-decoding-like 3-4,
+# irregular seeded sizes, and one token per event plus a finish-only tail event.
+CHUNKINGS = {
+    "1": lambda n, seed: [1] * n,
+    "3-4": lambda n, seed: _fit(cycle([3, 4]), n),
+    "rand": lambda n, seed: _fit(_seeded(seed), n),
+    "tail": lambda n, seed: [1] * n,
+}
 
 
 def chunked(ids: list[int], how: str, seed: int = 7, **kw) -> Choice:
@@ -409,6 +423,15 @@ def _stop_case(a: Answers, name: str, **params) -> Case:
 @case("stop string across events", upstream={"deepseek-r1": (STOP_DESYNC,), "gpt-oss": (STOP_KEPT,)})
 def _stop(a: Answers) -> Case:
     return _stop_case(a, "stop")
+
+
+@case("n=2 stop string in one choice", upstream={"deepseek-r1": (STOP_DESYNC,), "gpt-oss": (STOP_KEPT,)})
+def _stop_n2(a: Answers) -> Case:
+    """The stop string ends choice 0 only; choice 1 runs to its end, as in vLLM (the engine aborts one child)."""
+    stopped = _stop_case(a, "stop-n2").choices[0]
+    other = a.answer(content=" ".join([CONTENT] * 3))
+    return Case("stop-n2", {"messages": QUESTION, "n": 2, "stop": ["STOP"]}, [stopped, chunked(other, "1")],
+                delay=0.02, expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]})
 
 
 @case("stop string include_stop_str_in_output")

@@ -149,12 +149,13 @@ class ParityTable:
         passed = sum(v.startswith("pass") for v in self.cells.values())
         lines += [
             "",
-            f"{passed}/{len(self.cells)} cells pass. n/a: the model config has no such feature "
-            "(DeepSeek-R1 is served with a reasoning parser only; enable_thinking is Qwen3's).",
-            "(vllm#N): vLLM 0.33.0 itself streams this case wrongly; the filter matches it chunk for chunk, "
-            "and the test checks the bug shows in vLLM's stream. vllm#55195: `<think>` leaks into reasoning "
-            "when it shares a multi-token delta. vllm#51641: stop-string hold-back desyncs delta text from "
-            "token ids, so reasoning is misrouted.",
+            (f"{passed}/{len(self.cells)} cells pass. n/a: the model config has no such feature "
+             "(DeepSeek-R1 is served with a reasoning parser only; enable_thinking is Qwen3's)."),
+            ("(vllm#N): vLLM 0.33.0 itself streams this case wrongly; the filter matches it chunk for chunk, "
+             "and the test checks the bug shows in vLLM's stream. vllm#55195: `<think>` leaks into reasoning "
+             "when it shares a multi-token delta. vllm#51641: stop-string hold-back desyncs delta text from "
+             "token ids, so reasoning is misrouted. vllm#52599: Harmony parses token ids, so the matched stop "
+             "string stays in the text although include_stop_str_in_output is false."),
             "",
             f"Produced by: `{command}`",
         ]

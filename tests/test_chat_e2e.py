@@ -245,3 +245,26 @@ def test_max_tokens_equal_to_vllms_default_reaches_the_producer(sim, client, scr
     script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "x y z") + [IM_END]})
     client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=16)
     assert sim.sim_requests()[-1]["sampling_params"]["max_tokens"] == 16
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"{not json", b"[1, 2]", b'{"model": "qwen3"}', b'{"model": "qwen3", "messages": "hi"}', b"\xff\xfe"],
+    ids=["invalid-json", "not-an-object", "no-messages", "messages-wrong-type", "not-utf8"],
+)
+def test_validation_errors_are_vllms_own(sim, data):
+    """The same 400 body as vLLM's own /v1/chat/completions router and error handlers give."""
+    import argparse
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.openai.chat_completion import api_router
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+
+    app = FastAPI()
+    app.include_router(api_router.router)
+    init_exception_handler(app)
+    app.state.args = argparse.Namespace(log_error_stack=False)
+    expected = TestClient(app).post("/v1/chat/completions", content=data, headers={"content-type": "application/json"})
+    got = _post_raw(sim, data)
+    assert (got.status_code, got.json()) == (expected.status_code, expected.json())

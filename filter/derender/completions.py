@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import ValidationError
 
 from .chat import ChatExchange
 from .derender import ChatStream
-from .errors import HTTPError, dumps, from_exception, validation_error
+from .errors import HTTPError, dumps, from_exception, parse_body
 from .model import Model, _EngineStandIn
 from .outputs import ChoiceOutputs, ProducerError
 from .render import Rendered, producer_body
@@ -70,10 +69,7 @@ async def render_completion(model: Model, raw: bytes, x_request_id: str | None) 
     """Render a ``/v1/completions`` body; raises ``HTTPError`` for bad input."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    try:
-        request = CompletionRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    request = parse_body(lambda body: CompletionRequest.model_validate(body, from_attributes=True), raw)
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
     try:
         result = await model.serving_render.render_completion_request(request, SimpleNamespace(headers=headers))

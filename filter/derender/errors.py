@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from pydantic import ValidationError
+
+T = TypeVar("T")
 
 
 class HTTPError(Exception):
@@ -61,14 +65,31 @@ def error_event(status: int, message: str, err_type: str | None = None, param: s
     return b"data: " + error_body(status, message, err_type, param) + b"\n\n"
 
 
-def validation_error(exc: Any) -> HTTPError:
+def parse_body(validate: Callable[[Any], T], raw: bytes) -> T:
+    """Decode and validate a JSON body as FastAPI does before vLLM sees it; 400 as vLLM reports it."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        error = {"type": "json_invalid", "loc": ("body", getattr(exc, "pos", 0)), "msg": "JSON decode error"}
+        raise _validation_error([{**error, "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]) from None
+    try:
+        return validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> HTTPError:
     """A pydantic ``ValidationError`` of the request body, as vLLM reports a 400."""
+    return _validation_error([{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors(include_url=False)])
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> HTTPError:
+    """FastAPI's request-validation errors through vLLM's own handler."""
     from fastapi.exceptions import RequestValidationError
     from vllm.entrypoints.serve.exception_handling.handlers.validation import (
         validation_exception_handler,
     )
 
-    errors = [{**e, "loc": ("body", *e.get("loc", ()))} for e in exc.errors()]
     fake = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))))
     response = None
     coro = validation_exception_handler(fake, RequestValidationError(errors))

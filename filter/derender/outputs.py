@@ -55,6 +55,7 @@ class ChoiceOutputs:
         self.num_logprobs = params.logprobs
         self.processor = OutputProcessor(tokenizer, log_stats=False)
         self.finished = [False] * self.n
+        self.stopped_early = False  # a stop string ended a choice here, not at the producer
         self.child_ids: list[str] = []
         request = EngineCoreRequest(
             request_id=request_id,
@@ -89,7 +90,8 @@ class ChoiceOutputs:
         """Apply one producer choice event.
 
         Returns the ``RequestOutput``s it yields and whether the producer
-        request must be aborted (a stop string was matched here).
+        request must be aborted now (every choice finished, one of them at a
+        stop string the producer does not know about).
         """
         index = choice.get("index", 0)
         if not isinstance(index, int) or not 0 <= index < self.n:
@@ -116,9 +118,13 @@ class ChoiceOutputs:
             stop_reason=choice.get("stop_reason"),
         )
         result = self.processor.process_outputs([output])
-        if index_finished := (finish is not None or output.request_id not in self.processor.request_states):
+        if finish is not None or output.request_id not in self.processor.request_states:
             self.finished[index] = True
-        return result.request_outputs, bool(result.reqs_to_abort) and index_finished
+        # A stop string ended a choice the producer is still generating. vLLM's engine
+        # aborts just that child; the producer can only abort the whole request, which
+        # would cut the other choices: abort once every choice has finished.
+        self.stopped_early |= bool(result.reqs_to_abort)
+        return result.request_outputs, self.stopped_early and self.done
 
     def _logprobs(self, logprobs: dict[str, Any] | None, token_ids: list[int]) -> LogprobsLists:
         """The engine's per-position rows: sampled token first, then top-k by rank."""

@@ -17,9 +17,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
-from .errors import HTTPError, from_exception, validation_error
+from .errors import HTTPError, from_exception, parse_body
 from .model import Model
 
 
@@ -41,10 +40,7 @@ class Rendered:
 def parse_chat_request(model: Model, raw: bytes) -> Any:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    try:
-        return ChatCompletionRequest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    return parse_body(lambda body: ChatCompletionRequest.model_validate(body, from_attributes=True), raw)
 
 
 async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Rendered:

@@ -188,7 +188,7 @@ class TierExchange:
         params = generate["sampling_params"]
         # vLLM writes SamplingParams without the fields equal to their defaults, and a producer
         # fills a missing max_tokens from max_model_len: put back the default (16) it left out.
-        pass
+        params.setdefault("max_tokens", _default_max_tokens())
         if params.get("stop"):
             if generate.get("stream"):
                 raise HTTPError(400, _stream_stop_strings_error(), param="stop")

@@ -10,9 +10,9 @@ import functools
 from types import SimpleNamespace
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 
-from .errors import HTTPError, dumps, from_exception, validation_error
+from .errors import HTTPError, dumps, from_exception, parse_body
 from .model import Model
 
 
@@ -36,10 +36,7 @@ class TokenizationExchange:
     async def request_body(self, body: bytes) -> Any:
         from .routes import Reply
 
-        try:
-            request = _adapter(self.path).validate_json(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        request = parse_body(_adapter(self.path).validate_python, body)
         serving = self.model.serving_tokenization
         raw = SimpleNamespace(headers={"X-Request-Id": self.x_request_id} if self.x_request_id else {})
         try:
