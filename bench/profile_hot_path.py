@@ -90,7 +90,7 @@ async def measure(model, model_dir: str, lengths: list[int], repeat: int, profil
             elapsed, body = await one_stream(model, producer, chat, frames)
             best = elapsed if best is None else min(best, elapsed)
         result["us_per_token"][n] = best / n * 1e6
-        result["fold"][n] = streams.fold(streams.sse_events(body))
+        result["fold"][n] = streams.digest(streams.fold(streams.sse_events(body)))
     if profile:
         frames = events(streams.reasoning_tool_call(model_dir, max(lengths)))
         profiler = cProfile.Profile()

@@ -48,6 +48,11 @@ def markdown(r: dict) -> str:
         "and the kernel spreads them over the workers"),
         ("- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
         "per event, through Envoy 1.40 with `envoy/local.yaml`"),
+        ("- vLLM's derender streams (section 2) take minutes of one core: they run on their own simulator and "
+         "`vllm launch render` beside sections 1 and 3, so those share the machine with them as with any other load; "
+         "CPU is counted per process"),
+        "- load average when each phase started: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in r.get("load_average", {}).items()),
         "",
     ]
     latency, load = r.get("latency", {}), r.get("throughput", {})
@@ -78,7 +83,7 @@ def markdown(r: dict) -> str:
         echo = runs.get("echo", {}).get("tokens_per_s")
         out += [
             (f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
-            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {concurrency / plan['load_delay']:,.0f} tokens/s)"),
+            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {int(concurrency) / plan['load_delay']:,.0f} tokens/s)"),
             "",
         ]
         rows = []

@@ -297,7 +297,7 @@ class Bench:
             self.write_script(streams.reasoning_tool_call(self.model_dir, n))
             run = self.run_streams(self.configs["hermes"], plan.length_streams, plan.length_streams, n)
             body = run["results"][0].body
-            run["fold"] = streams.fold(streams.sse_events(body))
+            run["fold"] = streams.digest(streams.fold(streams.sse_events(body)))
             out[n] = strip(run)
             log(f"  ours {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
         return out
@@ -323,7 +323,7 @@ class Bench:
                     "cpu_us_per_token": cpu / n * 1e6,
                     "wall": wall,
                     "call_p50_last10": statistics.median(tail),
-                    "fold": streams.fold(run["chunks"]),
+                    "fold": streams.digest(streams.fold(run["chunks"])),
                 }
                 log(f"  vLLM derender {n} tokens: server CPU {cpu / n * 1e3:.1f} ms/token, "
                     f"p50 call near the end {self.vllm_results[n]['call_p50_last10'] * 1e3:.0f} ms")

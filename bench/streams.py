@@ -120,6 +120,13 @@ def fold(events: list[dict]) -> dict:
     return out
 
 
+def digest(folded: dict) -> str:
+    """A short fingerprint of a folded stream, to tell whether two paths produced the same answer."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(folded, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def sse_events(body: bytes) -> list[dict]:
     """``data:`` JSON events of an SSE body (``[DONE]`` left out)."""
     events = []

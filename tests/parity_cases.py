@@ -364,7 +364,7 @@ def _no_thinking(a: Answers) -> Case:
 
 @case("multi-turn after a tool result", with_tools)
 def _multi_turn(a: Answers) -> Case:
-    history = QUESTION + [
+    history = [{"role": "system", "content": "You are a terse weather bot. Answer in one line."}, *QUESTION,
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temp_c": 18, "sky": "sunny ☀️"})},
@@ -417,7 +417,8 @@ STOP_TEXT = "Count: one two STOP three four. Then more text after the stop 🛑 
 def _stop_case(a: Answers, name: str, **params) -> Case:
     ids = a.answer(content=STOP_TEXT)
     return Case(name, {"messages": QUESTION, "stop": ["STOP", "<<>>"], **params},
-                [chunked(ids, "3-4")], delay=0.01, expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]})
+                [chunked(ids, "3-4")], delay=0.01, expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]},
+                full=True)
 
 
 @case("stop string across events", upstream={"deepseek-r1": (STOP_DESYNC,), "gpt-oss": (STOP_KEPT,)})
@@ -430,8 +431,19 @@ def _stop_n2(a: Answers) -> Case:
     """The stop string ends choice 0 only; choice 1 runs to its end, as in vLLM (the engine aborts one child)."""
     stopped = _stop_case(a, "stop-n2").choices[0]
     other = a.answer(content=" ".join([CONTENT] * 3))
-    return Case("stop-n2", {"messages": QUESTION, "n": 2, "stop": ["STOP"]}, [stopped, chunked(other, "1")],
-                delay=0.02, expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]})
+    body = {"messages": QUESTION, "n": 2, "stop": ["STOP"], "stream_options": {"include_usage": True}}
+    return Case("stop-n2", body, [stopped, chunked(other, "1")], delay=0.02,
+                expect={"stop": "STOP", "absent": "three", "text": ["Count: one two"]}, full=True)
+
+
+@case("stop_token_ids")
+def _stop_token(a: Answers) -> Case:
+    """A stop token the request names: the producer ends there; its text is dropped, its id is the stop_reason."""
+    ids = a.answer(content=CONTENT)
+    cut = ids.index(a.encode(" sunny")[0])
+    return Case("stop-token", {"messages": QUESTION, "stop_token_ids": [ids[cut]]},
+                [Choice(ids[:cut + 1], CHUNKINGS["3-4"](cut + 1, 0), stop_reason=ids[cut])],
+                expect={"text": ["It is 18°C and"], "absent": "sunny"}, full=True)
 
 
 @case("stop string include_stop_str_in_output")
@@ -460,3 +472,20 @@ def _usage(a: Answers) -> Case:
     return Case("usage", {"messages": QUESTION, **({"tools": TOOLS} if a.tools else {}),
                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
                 [chunked(ids, "rand", seed=4)], expect={"reasoning": True})
+
+
+@case("continue_final_message with echo", lambda cls: cls is not HarmonyAnswers)  # Harmony renders no partial turn
+def _continue(a: Answers) -> Case:
+    """The client writes the start of the answer; the model continues it and echo sends it back first."""
+    partial = "<think>\n\n</think>\n\nIt is 18°C"
+    messages = [*QUESTION, {"role": "assistant", "content": partial}]
+    ids = a.encode(" and sunny in Paris 🇫🇷.") + [a.eos]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+    return Case("continue", body, [chunked(ids, "3-4")], expect={"text": ["and sunny in Paris"]}, full=True)
+
+
+@case("reasoning_effort high", lambda cls: cls is HarmonyAnswers)  # rendered into Harmony's system message
+def _effort(a: Answers) -> Case:
+    ids = a.answer(REASONING, CONTENT)
+    return Case("effort", {"messages": QUESTION, "reasoning_effort": "high"}, [chunked(ids, "3-4")],
+                expect={"reasoning": True, "text": [CONTENT]})

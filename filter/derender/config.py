@@ -169,6 +169,7 @@ def envoy_clusters(entries: list[ModelEntry]) -> str:
             "name": entry.cluster,
             "type": "STRICT_DNS",
             "connect_timeout": "2s",
+            "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]},
             "load_assignment": {"cluster_name": entry.cluster, "endpoints": [{"lb_endpoints": endpoints}]},
         }
         lines.append("  - " + json.dumps(cluster))

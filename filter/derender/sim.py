@@ -670,7 +670,7 @@ def main(args: argparse.Namespace) -> int:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop,
+    web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop, backlog=4096,
                 shutdown_timeout=1.0)
     return 0
 
