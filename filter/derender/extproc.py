@@ -35,25 +35,27 @@ log = logging.getLogger("derender.extproc")
 # Headers a client may send that the producer must not see.
 STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
 
-_BUFFERED_RESPONSE = processing_mode_pb2.ProcessingMode(
-    request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-    response_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-)
+
+def _response_body_only(mode: int) -> processing_mode_pb2.ProcessingMode:
+    """A ``mode_override`` for the rest of a response: its body in ``mode``, nothing else.
+
+    Every field is set: an override that leaves a body mode out turns that body off.
+    """
+    M = processing_mode_pb2.ProcessingMode
+    return M(
+        request_header_mode=M.SKIP,
+        response_header_mode=M.SKIP,
+        request_body_mode=M.NONE,
+        response_body_mode=mode,
+        request_trailer_mode=M.SKIP,
+        response_trailer_mode=M.SKIP,
+    )
 
 
+# Non-streaming and error responses: the whole body at once.
+_BUFFERED_RESPONSE = _response_body_only(processing_mode_pb2.ProcessingMode.BUFFERED)
 # Envoy's own reply to a request the filter never saw the body of (e.g. 413): let it through.
-_PASS_RESPONSE = processing_mode_pb2.ProcessingMode(
-    request_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-    response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-)
+_PASS_RESPONSE = _response_body_only(processing_mode_pb2.ProcessingMode.NONE)
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
