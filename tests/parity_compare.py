@@ -150,7 +150,9 @@ class ParityTable:
         lines += [
             "",
             (f"{passed}/{len(self.cells)} cells pass. n/a: the model config has no such feature "
-             "(DeepSeek-R1 is served with a reasoning parser only; enable_thinking is Qwen3's)."),
+             "(DeepSeek-R1 is served with a reasoning parser only; enable_thinking is Qwen3's template; "
+             "reasoning_effort is rendered by Harmony only; Harmony renders a final assistant message as a "
+             "finished turn, so continue_final_message does not apply)."),
             ("(vllm#N): vLLM 0.33.0 itself streams this case wrongly; the filter matches it chunk for chunk, "
              "and the test checks the bug shows in vLLM's stream. vllm#55195: `<think>` leaks into reasoning "
              "when it shares a multi-token delta. vllm#51641: stop-string hold-back desyncs delta text from "

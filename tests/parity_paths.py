@@ -1,13 +1,15 @@
 """The two paths of the parity suite, per model config: the filter behind the real Envoy
 (with the simulator as producer) and vLLM's coupled chat server in process (``reference``).
 
-Both get the same ``vllm serve`` flags. One model config is served at a time.
+Both get the same ``vllm serve`` flags. Model configs are served one after the other, the
+next one starting in the background while the current one's cases run.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,29 +69,46 @@ def serve(name: str, tmp: Path) -> Served:
 
 
 class Servers:
-    """One model config served at a time; the next model's cases replace it."""
+    """Serves the model configs in the order the tests need them, one after the other.
 
-    def __init__(self, tmp_path_factory) -> None:
+    While one model's cases run, the next model's stack and reference start in the
+    background (their start-up is mostly waiting on other processes and loading
+    tokenizers, and the cases leave a core idle).
+    """
+
+    def __init__(self, tmp_path_factory, order: list[str]) -> None:
         self.tmp_path_factory = tmp_path_factory
+        self.order = order
         self.current: Served | None = None
-        self.failed: dict[str, BaseException] = {}
+        self.pending: dict[str, Future] = {}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parity-serve")
 
     def get(self, name: str) -> Served:
-        if name in self.failed:  # do not retry a broken start for every case
-            raise self.failed[name]
-        if self.current is None or self.current.name != name:
-            self.close()
-            try:
-                self.current = serve(name, self.tmp_path_factory.mktemp(f"parity-{name}"))
-            except Exception as exc:
-                self.failed[name] = exc
-                raise
+        if self.current is not None and self.current.name == name:
+            return self.current
+        self._stop(self.current)
+        self.current = None
+        self._start(name)
+        if name in self.order and (i := self.order.index(name)) + 1 < len(self.order):
+            self._start(self.order[i + 1])
+        self.current = self.pending[name].result()  # a failed start raises here, for each of its cases
         return self.current
 
     def close(self) -> None:
-        if self.current is not None:
-            self.current.stack.stop()
-            self.current = None
+        self._stop(self.current)
+        for future in self.pending.values():
+            if future.exception() is None:
+                self._stop(future.result())
+        self.pool.shutdown()
+
+    def _start(self, name: str) -> None:
+        if name not in self.pending:
+            self.pending[name] = self.pool.submit(serve, name, self.tmp_path_factory.mktemp(f"parity-{name}"))
+
+    @staticmethod
+    def _stop(served: Served | None) -> None:
+        if served is not None:
+            served.stack.stop()
 
 
 # -- requests --------------------------------------------------------------------------------

@@ -377,15 +377,15 @@ def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer, 
     envoy_proc, base = small_buffer_envoy
     ids = encode(qwen3_tokenizer, "slow reader " * 2000)[:4000]
     script.set({"index": 0, "token_ids": ids, "finish_reason": "length"})
-    sim.sim_config(tokens_per_event=4)
     filter_pid = sim.proc("filter").proc.pid
     envoy = psutil.Process(envoy_proc.proc.pid)
     envoy_before = envoy.memory_info().rss
-    n = 4  # 4 x 4000 tokens with 20 logprobs each: ~20 MB from the producer, ~30 MB for the client,
-    # several times what Envoy (1 MiB) and the kernel's socket buffers on both sides hold
-    body = chat(n=n, logprobs=True, top_logprobs=20, max_tokens=len(ids))
+    # 16 x 4000 one-token events, usage on each: ~20 MB each way, about twice what Envoy (1 MiB)
+    # and the kernel's socket buffers on both sides of it hold.
+    n = 16
+    body = chat(n=n, max_tokens=len(ids), stream_options={"include_usage": True, "continuous_usage_stats": True})
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
-        chunks = r.iter_raw(4096)
+        chunks = r.iter_raw(1 << 16)
         data = next(chunks)
 
         def progress() -> int:
@@ -411,7 +411,7 @@ def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer, 
     assert events[-1] == "[DONE]"
     texts = [""] * n
     for e in events[:-1]:
-        for c in e["choices"]:
+        for c in e["choices"]:  # (the last event is the usage-only one)
             texts[c["index"]] += c["delta"].get("content") or ""
     assert texts == [qwen3_tokenizer.decode(ids)] * n
     print(f"\nslow reader: producer held at {sent} of {n * len(ids)} tokens; the client got {len(data) >> 20} MiB;"
