@@ -69,7 +69,7 @@ def parse_body(validate: Callable[[Any], T], raw: bytes) -> T:
     """Decode and validate a JSON body as FastAPI does before vLLM sees it; 400 as vLLM reports it."""
     try:
         body = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+    except (ValueError, RecursionError) as exc:  # bad JSON, bytes that are not UTF-8, nesting too deep
         error = {"type": "json_invalid", "loc": ("body", getattr(exc, "pos", 0)), "msg": "JSON decode error"}
         raise _validation_error([{**error, "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]) from None
     try:
