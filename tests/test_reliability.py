@@ -20,8 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-
-from stack import Proc, free_port, start_envoy, start_filter
+from stack import free_port, start_envoy, start_filter
 
 IM_END = 151645
 RAW_MARKERS = (b'"output_mode"', b'"token_ids":[', b'"request_id":"generate-tokens')  # producer event fields
@@ -275,7 +274,8 @@ class Spare:
     def __init__(self, qwen3_dir: str, plugin: str, producer: str) -> None:
         self.flags = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
                       "--reasoning-parser", "qwen3", "--tool-call-parser", "raising_hermes",
-                      "--enable-auto-tool-choice", "--tool-parser-plugin", plugin]
+                      "--enable-auto-tool-choice", "--tool-parser-plugin", plugin,
+                      "--workers", "1"]  # one process: a failing stream and a healthy one share it
         self.producer = producer
         self.filter, self.port = start_filter(self.flags, producer)
         self.envoy, self.base = start_envoy(self.port, producer)
