@@ -11,7 +11,6 @@ import uuid
 import httpx
 import openai
 import pytest
-
 from stack import start_envoy, start_filter
 
 IM_END = 151645

@@ -24,7 +24,6 @@ import aiohttp
 import httpx
 import psutil
 import pytest
-
 from stack import Stack
 
 STREAMS = int(os.environ.get("DERENDER_SOAK_STREAMS", "1000"))
