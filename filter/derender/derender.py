@@ -33,18 +33,23 @@ class _WaitForEvent:
 _WAIT = _WaitForEvent()
 
 
+def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceOutputs:
+    """The live output state of one rendered request on ``model``."""
+    return ChoiceOutputs(
+        model.tokenizer,
+        rendered.request_id,
+        rendered.prompt_token_ids,
+        rendered.params,
+        stream=stream,
+        vocab_size=model.model_config.get_vocab_size(),
+    )
+
+
 class ChatStream:
     """One streaming chat completion, from producer events to client bytes."""
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
-        self.outputs = ChoiceOutputs(
-            model.tokenizer,
-            rendered.request_id,
-            rendered.prompt_token_ids,
-            rendered.params,
-            stream=True,
-            vocab_size=model.model_config.get_vocab_size(),
-        )
+        self.outputs = choice_outputs(model, rendered, stream=True)
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
         self.finished = False  # [DONE] was produced
@@ -180,14 +185,7 @@ async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes
     try:
         response = json.loads(producer_body)
         check_output_mode(response)
-        outputs = ChoiceOutputs(
-            model.tokenizer,
-            rendered.request_id,
-            rendered.prompt_token_ids,
-            rendered.params,
-            stream=False,
-            vocab_size=model.model_config.get_vocab_size(),
-        )
+        outputs = choice_outputs(model, rendered, stream=False)
         finals = []
         for choice in response.get("choices") or ():
             finals.extend(outputs.step(choice)[0])
