@@ -23,7 +23,11 @@ Limits, all vLLM's: streaming derender refuses stop strings (text already sent
 cannot be cut), so a streaming request with ``stop`` gets vLLM's 400 here before
 anything runs; non-streaming stop strings are cut by ``/derender`` (the
 producer is not told them: a ``--tokens-only`` producer refuses them). The
-derender endpoints do not echo, so completions ``echo`` gets a 400.
+derender endpoints do not echo, so completions ``echo`` gets a 400 (echoing a
+prompt needs the model's tokenizer). Chat ``echo`` only repeats the last message's
+text, which the filter has: it writes it as vLLM's coupled server does (a role
+chunk and an echo chunk per choice before that choice's first derendered chunk,
+or in front of each non-streaming message's content).
 The filter loads no model in this mode.
 """
 
@@ -121,6 +125,22 @@ class RenderTier:
             await self._session.close()
 
 
+def chat_echo(request: dict[str, Any]) -> str:
+    """The text coupled vLLM echoes for a chat request: the last message's content when its role is
+    the one the answer takes (``assistant``, or the last message's own role without a generation prompt)."""
+    if not request.get("echo"):
+        return ""
+    messages = request.get("messages") or []
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    role = "assistant" if request.get("add_generation_prompt", True) else last.get("role")
+    if last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):  # text parts, flattened as vLLM's chat parser does
+        content = "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return content if isinstance(content, str) else ""
+
+
 class TierStream:
     """What one streaming exchange carries between derender calls."""
 
@@ -128,6 +148,8 @@ class TierStream:
         self.n = n
         self.states: dict[int, Any] = {}  # choice index -> stream_state, exactly as vLLM returned it
         self.done: set[int] = set()  # choice indexes the producer finished
+        self.started: set[int] = set()  # choice indexes whose first chunk went out
+        self.echo = ""  # chat echo: the last message's text, sent first per choice
         self.created: int | None = None
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
@@ -205,6 +227,8 @@ class TierExchange:
             self._failed("producer_status")
         if status == 200 and self.generate.get("stream"):
             self.stream = TierStream(self.generate["sampling_params"].get("n") or 1)
+            if self.endpoint is CHAT:
+                self.stream.echo = chat_echo(self.client_request)
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -282,7 +306,38 @@ class TierExchange:
         if stream.created is None:
             stream.created = chunk.get("created")
         chunk["id"], chunk["created"] = self.request_id, stream.created
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+        head = b""
+        if index is not None and index not in stream.started:
+            stream.started.add(index)
+            if stream.echo:
+                head = self._echo_chunks(chunk, index)
+        return head + b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def _echo_chunks(self, chunk: dict[str, Any], index: int) -> bytes:
+        """Coupled vLLM's role chunk and echo chunk for one choice; the role leaves ``chunk``'s delta."""
+        stream = self.stream
+        assert stream is not None
+        choice = next((c for c in chunk.get("choices") or () if c.get("index") == index), None)
+        delta = choice.get("delta") if choice else None
+        role = (delta.pop("role", None) if isinstance(delta, dict) else None) or "assistant"
+        usage = None
+        options = self.client_request.get("stream_options") or {}
+        if options.get("include_usage") and options.get("continuous_usage_stats"):
+            prompt = len(self.prompt_token_ids)
+            usage = {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
+        out = []
+        for delta_out in ({"role": role, "content": ""}, {"content": stream.echo}):
+            head = {
+                "id": self.request_id,
+                "object": "chat.completion.chunk",
+                "created": stream.created,
+                "model": chunk.get("model"),
+                "choices": [{"index": index, "delta": delta_out, "logprobs": None, "finish_reason": None}],
+            }
+            if usage is not None:
+                head["usage"] = usage
+            out.append(b"data: " + orjson.dumps(head) + b"\n\n")
+        return b"".join(out)
 
     def _end(self) -> bytes:
         """The producer's stream is over."""
@@ -316,6 +371,11 @@ class TierExchange:
             self.client_status = 502
             return error_body(502, f"invalid producer response: {exc}"), 502
         ids, prompt_tokens = self.prompt_token_ids, len(self.prompt_token_ids)
+        # vLLM's non-streaming chat derender gives its parser the response's own prompt_token_ids,
+        # which a producer only sends with return_token_ids; without them a prompt that closed the
+        # reasoning (continue_final_message, enable_thinking=False) reads as still reasoning.
+        if isinstance(response, dict) and response.get("prompt_token_ids") is None:
+            response["prompt_token_ids"] = ids
         if self.endpoint is CHAT:
             request = {"generate_response": response, "prompt_tokens": prompt_tokens, "prompt_token_ids": ids}
         else:
@@ -329,6 +389,10 @@ class TierExchange:
             return error.body(), error.status
         result = orjson.loads(data)
         result["id"] = self.request_id
+        echo = chat_echo(self.client_request) if self.endpoint is CHAT else ""
+        for choice in result.get("choices") or () if echo else ():
+            message = choice.get("message") or {}
+            message["content"] = echo + (message.get("content") or "")
         return dumps(result), None
 
     def _failed(self, error: str) -> None:
