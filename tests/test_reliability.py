@@ -275,6 +275,7 @@ class Spare:
         self.flags = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
                       "--reasoning-parser", "qwen3", "--tool-call-parser", "raising_hermes",
                       "--enable-auto-tool-choice", "--tool-parser-plugin", plugin,
+                      "--stall-timeout", "1.5",  # Envoy's stream idle timeout stays 300 s
                       "--workers", "1"]  # one process: a failing stream and a healthy one share it
         self.producer = producer
         self.filter, self.port = start_filter(self.flags, producer)
@@ -316,6 +317,34 @@ def test_parser_raising_ends_only_its_stream(spare, sim, script, qwen3_tokenizer
     assert text_of(events, "reasoning") == "\nok\n" and text_of(events).strip() == "Sure."
     wait_for(lambda: engine_id(events) in sim.sim_aborted(), what="the failed stream's producer request to be aborted")
     healthy.check()  # the other stream on the same filter went on
+
+
+def test_producer_stall_ends_with_an_error_event(spare, sim, script, qwen3_tokenizer):
+    """Silent past the filter's --stall-timeout (1.5 s) but well within Envoy's idle timeout: the
+    filter aborts the producer request, and the client gets every token so far, an error event and
+    [DONE], a clean end instead of Envoy's cut."""
+    sim.sim_config(delay=0.04)
+    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1")
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    sim.sim_config(delay=0.04, fault="stall", fault_after=5)
+    try:
+        started = time.monotonic()
+        with httpx.stream("POST", spare.base + "/v1/chat/completions", json=chat(), timeout=60) as r:
+            assert r.status_code == 200
+            data = r.read()
+        took = time.monotonic() - started
+    finally:
+        sim.sim_config()
+    assert_nothing_raw(data)
+    events = events_of(data)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["code"] == 504 and "nothing for 1.5 s" in error["message"], error
+    assert answer_of(events[:-2]) == qwen3_tokenizer.decode(ids[:5])  # every token before the stall
+    assert took < 30, "the stall was not cut by the filter"
+    wait_for(lambda: engine_id(events) in sim.sim_aborted(), what="the stalled request to be aborted")
+    healthy.check()
 
 
 def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_tokenizer):

@@ -8,13 +8,14 @@ producer errors become OpenAI errors with the producer's status.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from copy import copy
 from dataclasses import dataclass, field
 
-from . import logs, metrics
+from . import logs, metrics, producer as producers
 from .derender import ChatStream, chat_completion
 from .errors import HTTPError, error_body, from_exception
 from .model import Model
@@ -65,6 +66,9 @@ class ChatExchange:
         self.error: str | None = None  # the first failure, as metrics and the request log name it
         self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
         self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
+        self._last_chunk = 0.0  # loop time of the producer's last body chunk (streaming)
+        self._watch: asyncio.TimerHandle | None = None
+        self._stalled = False
 
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
@@ -92,6 +96,7 @@ class ChatExchange:
             self._failed(metrics.producer_error, "status")
         if status == 200 and self.rendered.stream:
             self.stream = self.stream_class(self.model, self.rendered)
+            self._watch_stall()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -103,6 +108,9 @@ class ChatExchange:
         """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
+        self._last_chunk = self._loop_time()
+        if self._stalled:  # whatever the producer sends after its abort: the stream is over
+            return stream.fail(504, f"the producer sent nothing for {producers.STALL_TIMEOUT:g} s; the request was aborted")
         try:
             return self._translate(stream, chunk, end)
         except Exception:  # a bug must end this stream cleanly, never the gRPC stream
@@ -144,6 +152,29 @@ class ChatExchange:
         if self._sent is not None:
             self._sent.append(data)
         return data
+
+    @staticmethod
+    def _loop_time() -> float:
+        return asyncio.get_running_loop().time()
+
+    def _watch_stall(self) -> None:
+        """Abort the producer request if it goes ``STALL_TIMEOUT`` seconds without an event: its
+        final (abort) event, or the end of its body, then closes the stream with an error event."""
+        timeout = producers.STALL_TIMEOUT
+        stream = self.stream
+        if timeout <= 0 or stream is None or stream.finished:
+            return
+        loop = asyncio.get_running_loop()
+        if not self._last_chunk:
+            self._last_chunk = loop.time()
+        quiet = loop.time() - self._last_chunk
+        if quiet < timeout:
+            self._watch = loop.call_later(timeout - quiet, self._watch_stall)
+            return
+        log.warning("producer request of %s stalled: no event for %g s", self.rendered.request_id if self.rendered else None, quiet)
+        self._stalled = True
+        self._failed(metrics.producer_error, "stall")
+        self._abort(f"no event for {timeout:g} s")
 
     def _stream_failed(self, payload: bytes) -> None:
         """The stream ended in an error at this producer event: whose fault was it?"""
@@ -192,6 +223,8 @@ class ChatExchange:
 
     def close(self, complete: bool) -> None:
         """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
+        if self._watch is not None:
+            self._watch.cancel()
         if self.stream is not None and not self.stream.finished and not complete:
             self._abort("client gone")
         elapsed = time.monotonic() - self._started

@@ -101,6 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if auth.configure(args.api_key):
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)
+    from . import producer
+
+    producer.STALL_TIMEOUT = args.stall_timeout
 
     model = served(args)
     serve = workers.filter_server(model, args.producer, args.host, args.port)
@@ -185,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS, comma-separated)",
+    )
+    serve.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=float(os.environ.get("DERENDER_STALL_TIMEOUT") or 240),
+        metavar="SECONDS",
+        help="abort a streaming producer request silent this long and end the client's stream with an "
+        "error event (default: 240; 0: never); keep it below Envoy's stream idle timeout (300 s)",
     )
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(

@@ -242,7 +242,9 @@ async def serve(
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ObservedProcessor(Router(model, producer)), server)
+    # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
+    processor = ObservedProcessor if metrics.enabled() else ExternalProcessor
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor(Router(model, producer)), server)
     await add_health(server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:

@@ -106,6 +106,11 @@ def configure(host: str, port: int | None) -> None:
     _listen = (host, port) if port else None
 
 
+def enabled() -> bool:
+    """Whether anyone can read the metrics (a ``--metrics-port`` was given)."""
+    return _listen is not None
+
+
 def start_server() -> bool:
     """Serve ``/metrics`` from a background thread of this process, if configured.
 
