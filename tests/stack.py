@@ -173,6 +173,10 @@ class Stack:
     def sim_requests(self) -> list[dict]:
         return json.loads(http_get(self.sim_url + "/sim/requests")[1])
 
+    def sim_received(self) -> int:
+        """Generate requests the producer ever got (``/sim/requests`` keeps only the last 50)."""
+        return json.loads(http_get(self.sim_url + "/sim/stats")[1])["received"]
+
     def sim_aborted(self) -> list[str]:
         return json.loads(http_get(self.sim_url + "/sim/aborted")[1])
 

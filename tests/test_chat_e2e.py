@@ -134,12 +134,12 @@ def _post_raw(stack, data: bytes, headers=None) -> httpx.Response:
     ids=["invalid-json", "not-an-object", "no-messages", "messages-wrong-type", "wrong-type", "n-zero", "unknown-model", "prompt-too-long"],
 )
 def test_bad_input_is_refused_before_the_producer(sim, data, status):
-    before = len(sim.sim_requests())
+    before = sim.sim_received()
     r = _post_raw(sim, data)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and error["message"] and error["type"]
-    assert len(sim.sim_requests()) == before
+    assert sim.sim_received() == before
 
 
 def test_unknown_model_message_matches_vllm(sim, client):
@@ -149,11 +149,11 @@ def test_unknown_model_message_matches_vllm(sim, client):
 
 
 def test_producer_endpoint_is_not_exposed(sim):
-    before = len(sim.sim_requests())
+    before = sim.sim_received()
     r = httpx.post(sim.envoy_url + "/inference/v1/generate", json={"token_ids": [1, 2, 3]}, timeout=10)
     assert r.status_code == 404
     assert "error" in r.json()
-    assert len(sim.sim_requests()) == before
+    assert sim.sim_received() == before
 
 
 def test_models_and_health(sim, client):

@@ -221,12 +221,12 @@ def test_completions_with_the_openai_sdk(sim, client, script, ids, qwen3_tokeniz
     ids=["two-strings", "two-id-lists", "echo-logprobs", "prompt-logprobs", "unknown-model", "wrong-type", "too-long"],
 )
 def test_bad_completions_are_refused_before_the_producer(sim, body, status, words):
-    before = len(sim.sim_requests())
+    before = sim.sim_received()
     r = post(sim, "/v1/completions", {"model": "qwen3", **body})
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and words in error["message"], error
-    assert len(sim.sim_requests()) == before
+    assert sim.sim_received() == before
 
 
 def test_one_prompt_in_a_list_is_served(sim, script, ids, qwen3_tokenizer):
@@ -281,9 +281,9 @@ def test_tokenize_and_detokenize_as_vllm(sim, coupled, path, body):
     from pydantic import TypeAdapter, ValidationError
     from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 
-    before = len(sim.sim_requests())
+    before = sim.sim_received()
     r = post(sim, path, body)
-    assert len(sim.sim_requests()) == before, "tokenize must not reach the producer"
+    assert sim.sim_received() == before, "tokenize must not reach the producer"
     serving = coupled.state.serving_tokenization
     try:
         request = TypeAdapter(TokenizeRequest if path == "/tokenize" else DetokenizeRequest).validate_python(body)

@@ -362,10 +362,6 @@ def mangle(raw: bytes, how: int, at: int) -> bytes:
     return raw
 
 
-def sim_received(stack) -> int:
-    return httpx.get(stack.sim_url + "/sim/stats", timeout=10).json()["received"]
-
-
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=request, how=st.sampled_from([0, 0, 0, 1, 2, 3]), at=st.integers(0, 10**6))
 @example(body={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes",
@@ -373,7 +369,7 @@ def sim_received(stack) -> int:
 def test_request_fuzz_is_refused_cleanly_or_served(sim, body, how, at):
     sim.sim_config(mode="echo")
     raw = mangle(json.dumps(body).encode(), how, at)
-    before = sim_received(sim)
+    before = sim.sim_received()
     with httpx.Client(timeout=60) as http:
         r = http.post(sim.base_url + "/chat/completions", content=raw, headers={"content-type": "application/json"})
         data = r.read()
@@ -383,7 +379,7 @@ def test_request_fuzz_is_refused_cleanly_or_served(sim, body, how, at):
         error = json.loads(data)["error"]
         assert error["code"] == r.status_code and isinstance(error["message"], str) and error["message"]
         assert isinstance(error["type"], str) and error["type"]
-        assert sim_received(sim) == before, "a refused request reached the producer"
+        assert sim.sim_received() == before, "a refused request reached the producer"
         return
     assert r.status_code == 200
     if r.headers["content-type"].startswith("text/event-stream"):
@@ -392,4 +388,4 @@ def test_request_fuzz_is_refused_cleanly_or_served(sim, body, how, at):
         assert all(e.get("object") == "chat.completion.chunk" for e in events[:-1]), events
     else:
         assert json.loads(data)["object"] == "chat.completion"
-    assert sim_received(sim) == before + 1
+    assert sim.sim_received() == before + 1

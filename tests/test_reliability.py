@@ -75,10 +75,6 @@ def wait_for(check, timeout: float = 20.0, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sim_received(stack_or_url) -> int:
-    url = stack_or_url if isinstance(stack_or_url, str) else stack_or_url.sim_url
-    return httpx.get(url + "/sim/stats", timeout=10).json()["received"]
-
 
 def engine_id(events: list) -> str:
     """The producer's id for this request (Envoy's x-request-id rides in the chunk id)."""
@@ -96,10 +92,10 @@ class HealthyStream:
         self.data = b""
         self.error: BaseException | None = None
         script.set({"index": 0, "token_ids": self.ids + [IM_END]})
-        before = sim_received(stack)
+        before = stack.sim_received()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        wait_for(lambda: sim_received(stack) > before, what="the healthy stream to reach the producer")
+        wait_for(lambda: stack.sim_received() > before, what="the healthy stream to reach the producer")
 
     def _run(self) -> None:
         try:
@@ -363,13 +359,13 @@ def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_token
 
     # While it is down: a clean OpenAI-shaped error, and nothing reaches the producer.
     sim.sim_config()
-    before = sim_received(sim)
+    before = sim.sim_received()
     for stream in (False, True):
         r = httpx.post(spare.base + "/v1/chat/completions", json=chat(stream=stream), timeout=30)
         assert r.status_code >= 500
         assert_nothing_raw(r.content)
         assert r.json()["error"]["code"] == r.status_code
-    assert sim_received(sim) == before
+    assert sim.sim_received() == before
 
     spare.restart_filter()
     short = encode(qwen3_tokenizer, "back again")
@@ -488,10 +484,10 @@ def test_bad_input_is_refused_before_the_producer(sim, name, stream):
     raw, status, mentions = BAD[name]
     if stream:  # the same mistake in a streaming request: still a status, not a 200 stream
         raw = json.dumps({**json.loads(raw), "stream": True}).encode()
-    before = sim_received(sim)
+    before = sim.sim_received()
     r = httpx.post(sim.base_url + "/chat/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and error["type"]
     assert mentions.lower() in (error["message"] + str(error["param"])).lower(), error
-    assert sim_received(sim) == before, "a refused request reached the producer"
+    assert sim.sim_received() == before, "a refused request reached the producer"

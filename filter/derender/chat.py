@@ -66,7 +66,7 @@ class ChatExchange:
         self.error: str | None = None  # the first failure, as metrics and the request log name it
         self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
         self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
-        self._last_chunk = 0.0  # loop time of the producer's last body chunk (streaming)
+        self._last_chunk = 0.0  # time.monotonic() of the producer's last body chunk (streaming)
         self._watch: asyncio.TimerHandle | None = None
         self._stalled = False
 
@@ -108,7 +108,7 @@ class ChatExchange:
         """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
-        self._last_chunk = self._loop_time()
+        self._last_chunk = time.monotonic()
         if self._stalled:  # whatever the producer sends after its abort: the stream is over
             return stream.fail(504, f"the producer sent nothing for {producers.STALL_TIMEOUT:g} s; the request was aborted")
         try:
@@ -153,10 +153,6 @@ class ChatExchange:
             self._sent.append(data)
         return data
 
-    @staticmethod
-    def _loop_time() -> float:
-        return asyncio.get_running_loop().time()
-
     def _watch_stall(self) -> None:
         """Abort the producer request if it goes ``STALL_TIMEOUT`` seconds without an event: its
         final (abort) event, or the end of its body, then closes the stream with an error event."""
@@ -164,10 +160,14 @@ class ChatExchange:
         stream = self.stream
         if timeout <= 0 or stream is None or stream.finished:
             return
-        loop = asyncio.get_running_loop()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # driven without an event loop (in-process tests): nothing to watch with
+            return
+        now = time.monotonic()
         if not self._last_chunk:
-            self._last_chunk = loop.time()
-        quiet = loop.time() - self._last_chunk
+            self._last_chunk = now
+        quiet = now - self._last_chunk
         if quiet < timeout:
             self._watch = loop.call_later(timeout - quiet, self._watch_stall)
             return
