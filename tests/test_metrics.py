@@ -352,7 +352,8 @@ def test_one_log_line_per_request_without_text(ms, qwen3_tokenizer):
     assert fields["x_request_id"] == x_request_id and fields["request_id"].startswith("chatcmpl-")
     assert (fields["model"], fields["status"], fields["stream"], fields["complete"]) == ("qwen3", 200, True, True)
     assert fields["prompt_tokens"] == len(ms.prompt_ids()) and fields["completion_tokens"] == len(ids) + 1
-    assert fields["duration_ms"] >= fields["ttft_ms"] >= 0
+    assert fields["duration_ms"] >= fields["ttft_ms"] >= fields["producer_headers_ms"] >= fields["render_ms"] > 0
+    assert fields["producer_headers_ms"] >= fields["body_ms"] >= 0
     log = ms.filter.log.read_text()
     assert secret not in log and answer not in log
 

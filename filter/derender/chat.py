@@ -69,12 +69,18 @@ class ChatExchange:
         self._last_chunk = 0.0  # time.monotonic() of the producer's last body chunk (streaming)
         self._watch: asyncio.TimerHandle | None = None
         self._stalled = False
+        self._body_at: float | None = None  # seconds from the request's headers to its body
+        self._render_time: float | None = None
+        self._headers_at: float | None = None  # seconds from the request's headers to the producer's
 
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
+        started = time.monotonic()
+        self._body_at = started - self._started
         try:
             self.rendered = await self.render(self.model, body, self.x_request_id)
             verify_params(self.model, self.rendered)
+            self._render_time = time.monotonic() - started
         except HTTPError as exc:
             self.client_status = exc.status
             raise
@@ -91,6 +97,7 @@ class ChatExchange:
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int) -> ResponseStart:
         assert self.rendered is not None
+        self._headers_at = time.monotonic() - self._started
         self.status = self.client_status = status
         if status != 200:
             self._failed(metrics.producer_error, "status")
@@ -256,6 +263,9 @@ class ChatExchange:
             "error": error,
             "duration_ms": round(elapsed * 1000, 1),
             "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+            "body_ms": _ms(self._body_at),
+            "render_ms": _ms(self._render_time),
+            "producer_headers_ms": _ms(self._headers_at),
         }
         if self._sent is not None and rendered is not None:
             request = rendered.request
@@ -274,6 +284,10 @@ class ChatExchange:
             self.x_request_id, self.rendered.request_id
         )
         self.producer.abort_soon(request_id, why)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1000, 1) if seconds is not None else None
 
 
 # gen_ai.operation.name for each endpoint (OpenTelemetry GenAI conventions).
