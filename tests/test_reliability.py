@@ -364,7 +364,8 @@ def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_token
         r = httpx.post(spare.base + "/v1/chat/completions", json=chat(stream=stream), timeout=30)
         assert r.status_code >= 500
         assert_nothing_raw(r.content)
-        assert r.json()["error"]["code"] == r.status_code
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and "derender filter failed or is unreachable" in error["message"], error
     assert sim.sim_received() == before
 
     spare.restart_filter()
