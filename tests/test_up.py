@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import psutil
-from openai import OpenAI
+import pytest
+from openai import AuthenticationError, OpenAI
 
 from stack import LOGS, free_port, start_sim
 
@@ -61,9 +62,10 @@ def test_up_with_an_external_producer_then_sigterm(qwen3_dir, qwen3_tokenizer):
 
 
 def test_up_starts_the_simulator_by_default(qwen3_dir):
+    """With an API key, as a user exposing the stack would start it."""
     port = free_port()
     up = subprocess.Popen(
-        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port)],
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port), "--api-key", "sk-local"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -71,7 +73,9 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
     try:
         assert f"http://127.0.0.1:{port}/v1" in up.stdout.readline()
         assert len(_children(up.pid)) >= 3  # simulator + filter + Envoy
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-wrong", max_retries=0).models.list()
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-local", max_retries=0)
         model = client.models.list().data[0].id
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "ping"}])
         assert r.choices[0].message.content == "ping"

@@ -218,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--render-url", default=None, metavar="URL", help="render-tier mode: the filter uses this vLLM render server")
     up.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="filter processes (default: the CPU count)")
     up.add_argument("--metrics-port", type=int, default=None, help="the filter's Prometheus metrics port (default: none)")
+    up.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS)",
+    )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.set_defaults(func=cmd_up)
 

@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
         metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
-        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics])
+        keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
+        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics, *keys])
         stack.wait_until("filter", lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
 
         config = envoy_config.render(
