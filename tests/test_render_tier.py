@@ -427,3 +427,37 @@ def test_tier_answers_carry_the_render_id(stacks, answers):
     chunks = [e for e in events if isinstance(e, dict)]
     assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
     assert chunks[0]["id"].startswith("chatcmpl-")
+
+
+def test_producer_stall_ends_the_tier_stream_with_an_error_event(stacks, answers):
+    """The stall watch works in render-tier mode too: a tier filter of its own with a 1.5 s
+    --stall-timeout (Envoy's idle timeout stays 300 s), a producer silent after 5 tokens."""
+    import time
+
+    port = free_port()
+    tier = Proc("filter-tier-stall", [*DERENDER, "serve", "--workers", "1", "--producer", stacks.sim_url,
+                                      "--render-url", stacks.recorder.url, "--port", str(port), "--stall-timeout", "1.5"]).start()
+    envoy = None
+    try:
+        tier.wait(lambda: _tcp(port), 120)
+        envoy, base = start_envoy(port, stacks.sim_url, MESSAGE_TIMEOUT="60s")
+        ids = answers.encode("alpha beta gamma delta epsilon zeta eta theta")
+        stacks.script.set({"index": 0, "token_ids": ids + [151645]})
+        stacks.sim_config(delay=0.02, fault="stall", fault_after=5)
+        started = time.monotonic()
+        status, events = call(base, "/v1/chat/completions",
+                              {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert status == 200 and time.monotonic() - started < 30
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert error["code"] == 504 and "nothing for 1.5 s" in error["message"], error
+        said = "".join((c["delta"].get("reasoning") or "") + (c["delta"].get("content") or "")
+                       for e in events[:-2] for c in e["choices"])
+        assert said == answers.tokenizer.decode(ids[:5])
+        engine_id = "generate-tokens-" + events[0]["id"].removeprefix("chatcmpl-")
+        assert engine_id in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1])
+    finally:
+        stacks.sim_config()
+        if envoy is not None:
+            envoy.stop()
+        tier.stop()

@@ -8,20 +8,20 @@ producer errors become OpenAI errors with the producer's status.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
 from copy import copy
 from dataclasses import dataclass, field
 
-from . import logs, metrics, producer as producers
+from . import logs, metrics
 from .derender import ChatStream, chat_completion
 from .errors import HTTPError, error_body, from_exception
 from .model import Model
 from .producer import GENERATE_PATH, Producer
 from .render import Rendered, render_chat
 from .sse import SSEDecoder, SSEError
+from .stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.chat")
 
@@ -66,9 +66,7 @@ class ChatExchange:
         self.error: str | None = None  # the first failure, as metrics and the request log name it
         self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
         self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
-        self._last_chunk = 0.0  # time.monotonic() of the producer's last body chunk (streaming)
-        self._watch: asyncio.TimerHandle | None = None
-        self._stalled = False
+        self._watch: StallWatch | None = None  # streaming
         self._body_at: float | None = None  # seconds from the request's headers to its body
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
@@ -103,7 +101,8 @@ class ChatExchange:
             self._failed(metrics.producer_error, "status")
         if status == 200 and self.rendered.stream:
             self.stream = self.stream_class(self.model, self.rendered)
-            self._watch_stall()
+            self._watch = StallWatch(self.rendered.request_id, self._stalled)
+            self._watch.start()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -115,9 +114,11 @@ class ChatExchange:
         """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
-        self._last_chunk = time.monotonic()
-        if self._stalled:  # whatever the producer sends after its abort: the stream is over
-            return stream.fail(504, f"the producer sent nothing for {producers.STALL_TIMEOUT:g} s; the request was aborted")
+        watch = self._watch
+        if watch is not None:
+            watch.chunk()
+            if watch.stalled:  # whatever the producer sends after its abort: the stream is over
+                return stream.fail(504, stall_message())
         try:
             return self._translate(stream, chunk, end)
         except Exception:  # a bug must end this stream cleanly, never the gRPC stream
@@ -160,28 +161,12 @@ class ChatExchange:
             self._sent.append(data)
         return data
 
-    def _watch_stall(self) -> None:
-        """Abort the producer request if it goes ``STALL_TIMEOUT`` seconds without an event: its
-        final (abort) event, or the end of its body, then closes the stream with an error event."""
-        timeout = producers.STALL_TIMEOUT
-        stream = self.stream
-        if timeout <= 0 or stream is None or stream.finished:
+    def _stalled(self) -> None:
+        """The producer went quiet: abort its request; its last words end the client's stream."""
+        if self.stream is None or self.stream.finished:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # driven without an event loop (in-process tests): nothing to watch with
-            return
-        now = time.monotonic()
-        if not self._last_chunk:
-            self._last_chunk = now
-        quiet = now - self._last_chunk
-        if quiet < timeout:
-            self._watch = loop.call_later(timeout - quiet, self._watch_stall)
-            return
-        log.warning("producer request of %s stalled: no event for %g s", self.rendered.request_id if self.rendered else None, quiet)
-        self._stalled = True
         self._failed(metrics.producer_error, "stall")
-        self._abort(f"no event for {timeout:g} s")
+        self._abort("stalled")
 
     def _stream_failed(self, payload: bytes) -> None:
         """The stream ended in an error at this producer event: whose fault was it?"""
@@ -231,7 +216,7 @@ class ChatExchange:
     def close(self, complete: bool) -> None:
         """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
         if self._watch is not None:
-            self._watch.cancel()
+            self._watch.stop()
         if self.stream is not None and not self.stream.finished and not complete:
             self._abort("client gone")
         elapsed = time.monotonic() - self._started

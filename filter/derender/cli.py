@@ -101,9 +101,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if auth.configure(args.api_key):
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)
-    from . import producer
+    from . import stall
 
-    producer.STALL_TIMEOUT = args.stall_timeout
+    stall.STALL_TIMEOUT = args.stall_timeout
 
     model = served(args)
     serve = workers.filter_server(model, args.producer, args.host, args.port)

@@ -12,12 +12,6 @@ log = logging.getLogger("derender.producer")
 ABORT_PATH = "/inference/v1/abort_requests"
 GENERATE_PATH = "/inference/v1/generate"
 
-# Seconds a streaming response may go without a producer event before the filter aborts the
-# request and ends the client's stream with an error event (0: never). ``derender serve
-# --stall-timeout`` sets it; keep it below Envoy's stream idle timeout (300 s in envoy/),
-# which otherwise cuts the stream without a word.
-STALL_TIMEOUT = 240.0
-
 
 class Producer:
     """One producer base URL (``http://host:port``)."""

@@ -47,6 +47,7 @@ from .chat import OPERATIONS, ResponseStart, Rewrite, producer_error
 from .errors import HTTPError, dumps, error_body, error_event
 from .producer import GENERATE_PATH, Producer
 from .sse import SSEDecoder
+from .stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.rendertier")
 
@@ -175,6 +176,7 @@ class TierExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._watch: StallWatch | None = None  # streaming
 
     @property
     def request_id(self) -> str:
@@ -229,6 +231,8 @@ class TierExchange:
             self.stream = TierStream(self.generate["sampling_params"].get("n") or 1)
             if self.endpoint is CHAT:
                 self.stream.echo = chat_echo(self.client_request)
+            self._watch = StallWatch(self.request_id, self._stalled)
+            self._watch.start()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -239,6 +243,11 @@ class TierExchange:
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
         """Streaming: one body chunk of the producer's SSE -> client bytes, one derender call per event."""
         assert self.stream is not None
+        watch = self._watch
+        if watch is not None:
+            watch.chunk()
+            if watch.stalled:  # whatever the producer sends after its abort: the stream is over
+                return self._fail(504, stall_message())
         out: list[bytes] = []
         try:
             payloads = self._sse.feed(chunk)
@@ -398,8 +407,17 @@ class TierExchange:
     def _failed(self, error: str) -> None:
         self.error = self.error or error
 
+    def _stalled(self) -> None:
+        """The producer went quiet: abort its request; its last words end the client's stream."""
+        if self.stream is None or self.stream.finished:
+            return
+        self._failed("producer_stall")
+        self._abort("stalled")
+
     def close(self, complete: bool) -> None:
         """The exchange is over: abort a producer request nobody reads, count it, log one line."""
+        if self._watch is not None:
+            self._watch.stop()
         stream = self.stream
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
