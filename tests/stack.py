@@ -44,6 +44,17 @@ def http_post(url: str, body: dict | bytes, timeout: float = 10, headers: dict |
         return e.code, e.read()
 
 
+def wait_for(check, what: str, timeout: float = 20.0):
+    """Poll ``check`` until it returns something true, and return that; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not seen within {timeout} s: {what}")
+
+
 def _ok(url: str) -> bool:
     try:
         return http_get(url, timeout=2)[0] == 200

@@ -13,7 +13,6 @@ import http.server
 import json
 import re
 import threading
-import time
 import urllib.request
 import uuid
 from concurrent import futures
@@ -36,22 +35,13 @@ from stack import (
     start_envoy,
     start_filter,
     start_sim,
+    wait_for,
 )
 
 IM_END = 151645
 CHAT = "/v1/chat/completions"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 MODEL_FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096"]
-
-
-def wait_for(check, what: str, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"not seen within {timeout} s: {what}")
 
 
 class Metrics:

@@ -20,7 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-from stack import free_port, start_envoy, start_filter
+from stack import free_port, start_envoy, start_filter, wait_for
 
 IM_END = 151645
 RAW_MARKERS = (b'"output_mode"', b'"token_ids":[', b'"request_id":"generate-tokens')  # producer event fields
@@ -63,16 +63,6 @@ def answer_of(events: list) -> str:
 def assert_nothing_raw(data: bytes) -> None:
     for marker in RAW_MARKERS:
         assert marker not in data, f"producer field {marker!r} reached the client"
-
-
-def wait_for(check, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 
@@ -376,7 +366,7 @@ def test_filter_killed_mid_stream_then_restarted(spare, sim, script, qwen3_token
         r = httpx.post(spare.base + "/v1/chat/completions", json=chat(stream=False), timeout=30)
         return r if r.status_code == 200 else None
 
-    r = wait_for(served, 60, "the restarted filter to serve")
+    r = wait_for(served, "the restarted filter to serve", 60)
     message = r.json()["choices"][0]["message"]  # (with a reasoning parser, no </think>: all reasoning)
     assert (message.get("reasoning") or "") + (message.get("content") or "") == qwen3_tokenizer.decode(short)
 
@@ -424,7 +414,7 @@ def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer, 
                 time.sleep(1)
             return samples[0] if len(set(samples)) == 1 and samples[0] else None
 
-        sent = wait_for(held_back, 120, "the producer to be held back")
+        sent = wait_for(held_back, "the producer to be held back", 120)
         filter_held, envoy_held = uss(filter_pid), envoy.memory_info().rss
         time.sleep(3)  # still not reading
         assert progress() == sent < n * len(ids), "the producer was not held back"
