@@ -13,6 +13,7 @@ import logging
 import time
 from copy import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import logs, metrics
 from .derender import ChatStream, chat_completion
@@ -114,11 +115,8 @@ class ChatExchange:
         """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
-        watch = self._watch
-        if watch is not None:
-            watch.chunk()
-            if watch.stalled:  # whatever the producer sends after its abort: the stream is over
-                return stream.fail(504, stall_message())
+        if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
+            return stream.fail(504, stall_message())
         try:
             return self._translate(stream, chunk, end)
         except Exception:  # a bug must end this stream cleanly, never the gRPC stream
@@ -219,47 +217,37 @@ class ChatExchange:
             self._watch.stop()
         if self.stream is not None and not self.stream.finished and not complete:
             self._abort("client gone")
-        elapsed = time.monotonic() - self._started
-        ttft = self._first_token - self._started if self._first_token is not None else None
-        completion_tokens = self.stream.completion_tokens if self.stream is not None else self._completion_tokens
         rendered = self.rendered
-        error = self.error or (None if complete else "cancelled")
-        if error is None and self.client_status >= 400:
-            error = str(self.client_status)
-        if rendered is not None:
-            metrics.chat_done(
-                OPERATIONS.get(self.endpoint, self.endpoint),
-                rendered.request.model or self.model.name,
-                prompt_tokens=len(rendered.prompt_token_ids),
-                completion_tokens=completion_tokens,
-                duration=elapsed,
-                time_to_first_token=ttft,
-                error_type=error or "",
-            )
-        fields = {
-            "request_id": rendered.request_id if rendered else None,
-            "x_request_id": self.x_request_id,
-            "model": (rendered.request.model or self.model.name) if rendered else None,
-            "status": self.client_status,
-            "stream": bool(rendered and rendered.stream),
-            "prompt_tokens": len(rendered.prompt_token_ids) if rendered else None,
-            "completion_tokens": completion_tokens,
-            "complete": complete,
-            "error": error,
-            "duration_ms": round(elapsed * 1000, 1),
-            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        tail = {
             "body_ms": _ms(self._body_at),
             "render_ms": _ms(self._render_time),
             "producer_headers_ms": _ms(self._headers_at),
         }
         if self._sent is not None and rendered is not None:
             request = rendered.request
-            fields["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
+            tail["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
             sent = b"".join(self._sent)
-            fields["completion"] = (
+            tail["completion"] = (
                 logs.completion_texts_from_sse(sent) if rendered.stream else logs.completion_texts_from_json(sent)
             )
-        log.info(self.endpoint, extra={"fields": fields})
+        record(
+            log,
+            self.endpoint,
+            {
+                "request_id": rendered.request_id if rendered else None,
+                "x_request_id": self.x_request_id,
+                "model": (rendered.request.model or self.model.name) if rendered else None,
+            },
+            tail,
+            started=self._started,
+            first_token=self._first_token,
+            error=self.error,
+            complete=complete,
+            client_status=self.client_status,
+            stream=bool(rendered and rendered.stream),
+            prompt_tokens=len(rendered.prompt_token_ids) if rendered else None,
+            completion_tokens=self.stream.completion_tokens if self.stream is not None else self._completion_tokens,
+        )
 
     def _abort(self, why: str) -> None:
         if self._aborted or self.rendered is None:
@@ -273,6 +261,56 @@ class ChatExchange:
 
 def _ms(seconds: float | None) -> float | None:
     return round(seconds * 1000, 1) if seconds is not None else None
+
+
+def record(
+    logger: logging.Logger,
+    endpoint: str,
+    head: dict[str, Any],
+    tail: dict[str, Any],
+    *,
+    started: float,
+    first_token: float | None,
+    error: str | None,
+    complete: bool,
+    client_status: int,
+    stream: bool,
+    prompt_tokens: int | None,
+    completion_tokens: int | None,
+) -> None:
+    """Count one finished exchange and write its one log line (``head``, the outcome, ``tail``).
+
+    ``head`` names the request (``request_id``, ``x_request_id``, ``model``, ...); ``prompt_tokens``
+    None means it never reached a producer: logged, not counted.
+    """
+    elapsed = time.monotonic() - started
+    ttft = first_token - started if first_token is not None else None
+    error = error or (None if complete else "cancelled")
+    if error is None and client_status >= 400:
+        error = str(client_status)
+    if prompt_tokens is not None:
+        metrics.chat_done(
+            OPERATIONS.get(endpoint, endpoint),
+            head.get("model") or "",
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            duration=elapsed,
+            time_to_first_token=ttft,
+            error_type=error or "",
+        )
+    fields = {
+        **head,
+        "status": client_status,
+        "stream": stream,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "complete": complete,
+        "error": error,
+        "duration_ms": _ms(elapsed),
+        "ttft_ms": _ms(ttft),
+        **tail,
+    }
+    logger.info(endpoint, extra={"fields": fields})
 
 
 # gen_ai.operation.name for each endpoint (OpenTelemetry GenAI conventions).

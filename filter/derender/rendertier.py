@@ -42,8 +42,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from . import metrics
-from .chat import OPERATIONS, ResponseStart, Rewrite, producer_error
+from .chat import ResponseStart, Rewrite, producer_error, record
 from .errors import HTTPError, dumps, error_body, error_event
 from .producer import GENERATE_PATH, Producer
 from .sse import SSEDecoder
@@ -243,11 +242,8 @@ class TierExchange:
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
         """Streaming: one body chunk of the producer's SSE -> client bytes, one derender call per event."""
         assert self.stream is not None
-        watch = self._watch
-        if watch is not None:
-            watch.chunk()
-            if watch.stalled:  # whatever the producer sends after its abort: the stream is over
-                return self._fail(504, stall_message())
+        if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
+            return self._fail(504, stall_message())
         out: list[bytes] = []
         try:
             payloads = self._sse.feed(chunk)
@@ -421,39 +417,26 @@ class TierExchange:
         stream = self.stream
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
-        elapsed = time.monotonic() - self._started
-        ttft = self._first_token - self._started if self._first_token is not None else None
-        tokens = stream.completion_tokens if stream is not None else self._completion_tokens
-        error = self.error or (None if complete else "cancelled")
-        if error is None and self.client_status >= 400:
-            error = str(self.client_status)
         model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
-        model = model or self.generate.get("model")
-        if self.generate:
-            metrics.chat_done(
-                OPERATIONS.get(self.endpoint.name, self.endpoint.name),
-                model or "",
-                prompt_tokens=len(self.prompt_token_ids),
-                completion_tokens=tokens,
-                duration=elapsed,
-                time_to_first_token=ttft,
-                error_type=error or "",
-            )
-        fields = {
-            "request_id": self.request_id or None,
-            "x_request_id": self.x_request_id,
-            "model": model,
-            "render_tier": self.tier.url,
-            "status": self.client_status,
-            "stream": bool(self.generate.get("stream")),
-            "prompt_tokens": len(self.prompt_token_ids) if self.generate else None,
-            "completion_tokens": tokens,
-            "complete": complete,
-            "error": error,
-            "duration_ms": round(elapsed * 1000, 1),
-            "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
-        }
-        log.info(self.endpoint.name, extra={"fields": fields})
+        record(
+            log,
+            self.endpoint.name,
+            {
+                "request_id": self.request_id or None,
+                "x_request_id": self.x_request_id,
+                "model": model or self.generate.get("model"),
+                "render_tier": self.tier.url,
+            },
+            {},
+            started=self._started,
+            first_token=self._first_token,
+            error=self.error,
+            complete=complete,
+            client_status=self.client_status,
+            stream=bool(self.generate.get("stream")),
+            prompt_tokens=len(self.prompt_token_ids) if self.generate else None,
+            completion_tokens=stream.completion_tokens if stream is not None else self._completion_tokens,
+        )
 
     def _abort(self, why: str) -> None:
         if self._aborted or not self.generate:

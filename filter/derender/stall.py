@@ -48,9 +48,10 @@ class StallWatch:
         self._last = time.monotonic()
         self._check()
 
-    def chunk(self) -> None:
-        """A body chunk came from the producer."""
+    def chunk(self) -> bool:
+        """A body chunk came from the producer; True if it comes after a stall (the stream is over)."""
         self._last = time.monotonic()
+        return self.stalled
 
     def stop(self) -> None:
         self._over = True
