@@ -215,8 +215,10 @@ class ChatExchange:
         """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
         if self._watch is not None:
             self._watch.stop()
-        if self.stream is not None and not self.stream.finished and not complete:
-            self._abort("client gone")
+        if self.stream is not None and not self.stream.finished:
+            if not complete:
+                self._abort("client gone")
+            self.stream.close()
         rendered = self.rendered
         tail = {
             "body_ms": _ms(self._body_at),

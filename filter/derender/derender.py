@@ -125,6 +125,11 @@ class ChatStream:
         self._close()
         return error_event(status, message, err_type) + DONE
 
+    def close(self) -> None:
+        """The exchange ended before the stream did (client gone): shut vLLM's generator."""
+        if not self.finished:
+            self._close()
+
     def _fail_with_producer_error(self, error: Any) -> bytes:
         if not isinstance(error, dict):
             return self.fail(502, f"producer error: {error!r}")
@@ -135,7 +140,11 @@ class ChatStream:
     def _close(self) -> None:
         self.finished = True
         if self._step is not None:
-            self._step.close()
+            # Not close() nor GeneratorExit: either closes the suspended ``asend`` objects
+            # in the chain without ending their generators, which stay marked running, and
+            # asyncio's finalizer then logs "aclose(): asynchronous generator is already
+            # running" for each at garbage collection. An exception unwinds every frame.
+            _shut(self._step)
             self._step = None
         closer = self._agen.aclose()
         try:
@@ -162,11 +171,23 @@ class ChatStream:
                 self.finished = True
                 break
             if awaited is not _WAIT:
-                self._step.close()
+                _shut(self._step)
                 self._step = None
                 raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
             break
         return "".join(frames).encode()
+
+
+class _Shut(BaseException):
+    """Thrown into a suspended generator chain to end it (vLLM's code catches ``Exception``)."""
+
+
+def _shut(awaitable: Any) -> None:
+    """End a suspended step of an async generator chain, running its ``finally`` blocks."""
+    try:
+        awaitable.throw(_Shut)
+    except (_Shut, StopIteration, StopAsyncIteration, RuntimeError):
+        pass
 
 
 def check_output_mode(event: Any) -> None:

@@ -1,0 +1,111 @@
+"""A stream that ends early shuts vLLM's generator chain, in process with vLLM's real objects.
+
+The filter drives ``chat_completion_stream_generator`` by hand; mid-stream it is
+suspended three async generators deep. If an early end (client gone, an error
+event, a stall) leaves that chain suspended, asyncio's finalizer tries
+``aclose()`` on each generator at garbage collection, fails with "asynchronous
+generator is already running" and logs "Task exception was never retrieved" at
+ERROR level: three lines per cut stream in a production log. The exchange runs
+inside a running event loop, as in the ext_proc server, so asyncio's generator
+hooks are installed as they are there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import types
+
+import pydantic_core
+import pytest
+
+IM_END = 151645
+
+
+@pytest.fixture(scope="module")
+def hermes_model(qwen3_dir):
+    from derender.model import Model, ModelSpec
+
+    return Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=4096,
+                           reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True))
+
+
+class Producer:
+    """Stands in for the producer: only records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort_soon(self, request_id: str, why: str) -> None:
+        self.aborted.append(request_id)
+
+
+def event(ids: list[int], final: bool = False) -> bytes:
+    choice = {"index": 0, "finish_reason": "stop" if final else None, "stop_reason": None, "token_ids": ids,
+              "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}
+    chunk = {"request_id": "generate-tokens-c", "usage": None, "output_mode": "tokens", "choices": [choice]}
+    return b"data: " + pydantic_core.to_json(chunk) + b"\n\n"
+
+
+async def end_client_gone(exchange) -> bytes:
+    exchange.close(False)
+    return b""
+
+
+async def end_producer_error(exchange) -> bytes:
+    error = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
+    return exchange.response_chunk(b"data: " + json.dumps(error).encode() + b"\n\n", False)
+
+
+async def end_invalid_event(exchange) -> bytes:
+    return exchange.response_chunk(b"data: [1, 2]\n\n", False)
+
+
+async def end_body_cut(exchange) -> bytes:
+    return exchange.response_chunk(b"", True)
+
+
+async def end_stall(exchange) -> bytes:
+    await asyncio.sleep(0.3)  # past the stall timeout (0.1 s here): the watch aborts the producer request
+    return exchange.response_chunk(b"", True)  # the producer's last words
+
+
+@pytest.mark.parametrize("end", [end_client_gone, end_producer_error, end_invalid_event, end_body_cut, end_stall])
+def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_tokenizer, end, monkeypatch):
+    from derender import stall
+    from derender.chat import ChatExchange
+
+    monkeypatch.setattr(stall, "STALL_TIMEOUT", 0.1)
+
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    ids = qwen3_tokenizer.encode("<think>\nhm\n</think>\n\nSure, one moment", add_special_tokens=False).ids
+    errors: list[dict] = []
+
+    async def main() -> bytes:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        producer = Producer()
+        exchange = ChatExchange(hermes_model, producer, None)
+        await exchange.request_body(json.dumps(body).encode())
+        exchange.response_headers(200)
+        sent = b"".join(exchange.response_chunk(event([i]), False) for i in ids)
+        sent += await end(exchange)
+        exchange.close(True)
+        if end is not end_body_cut:  # the producer's body ended: nothing left to abort
+            assert producer.aborted, "the producer request was not aborted"
+        del exchange
+        gc.collect()
+        await asyncio.sleep(0.05)  # the finalizer's aclose() tasks, if any, run now
+        return sent
+
+    sent = asyncio.run(main())
+    gc.collect()
+    running = [g.ag_code.co_qualname for g in gc.get_objects() if isinstance(g, types.AsyncGeneratorType) and g.ag_running]
+    assert not running, running
+    assert not errors, [c.get("message") or repr(c.get("exception")) for c in errors]
+    assert b"Sure" in sent  # the tokens before the end reached the client
+    if end is not end_client_gone:
+        assert sent.endswith(b"data: [DONE]\n\n") and b'"error"' in sent
+    if end is end_stall:
+        assert b"the producer sent nothing for 0.1 s" in sent
