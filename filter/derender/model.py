@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import longprompt
+
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -128,6 +130,7 @@ class Model:
             tool_strict_level=args.tool_strict_level,
             default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
         )
+        self.long_prompts = longprompt.install(self.renderer)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
 
@@ -141,6 +144,8 @@ class Model:
         from vllm.tokenizers.detokenizer_utils import get_leading_space_marker
 
         get_leading_space_marker(self.tokenizer)  # cached on the tokenizer
+        if self.long_prompts:  # the tokenizer copies its two threads borrow
+            longprompt.encode(self.tokenizer, ["warm up the tokenizer copies " * 2000] * 2)
         if self.use_harmony:
             from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
 
