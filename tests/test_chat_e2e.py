@@ -7,13 +7,12 @@ never from the filter's own output.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from stack import http_get
+from stack import http_get, wait_for
 
 IM_END = 151645
 TEXT = "Robot: 🤖 done. 你好，世界！Ünïcödé ✓ — naïve café 🧑‍🚀🚀"
@@ -216,10 +215,7 @@ def test_client_disconnect_aborts_the_producer_request(sim, script, qwen3_tokeni
         first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
         next(lines)
     request_id = first["id"].removeprefix("chatcmpl-")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and f"generate-tokens-{request_id}" not in sim.sim_aborted():
-        time.sleep(0.1)
-    assert f"generate-tokens-{request_id}" in sim.sim_aborted()
+    wait_for(lambda: f"generate-tokens-{request_id}" in sim.sim_aborted(), "the producer request to be aborted", timeout=10)
 
 
 def test_echo_repeats_the_final_assistant_message(sim, script, qwen3_tokenizer):

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ import pytest
 import yaml
 from derender import config, envoy_config
 from openai import OpenAI
-from stack import LOGS, free_port, http_get, start_sim
+from stack import LOGS, free_port, http_get, start_sim, wait_for
 
 BIN = Path(sys.executable).parent
 MESSAGE = "Routing check: 🤖 héllo, 世界"
@@ -190,10 +189,7 @@ def test_client_disconnect_aborts_on_every_producer_of_the_cluster(fleet):
             first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
         engine_id = "generate-tokens-" + first["id"].removeprefix("chatcmpl-")
         aborted = lambda url: engine_id in json.loads(http_get(url + "/sim/aborted")[1])
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(aborted(u) for u in fleet.qwen3_urls):
-            time.sleep(0.1)
-        assert all(aborted(u) for u in fleet.qwen3_urls)
+        wait_for(lambda: all(aborted(u) for u in fleet.qwen3_urls), "the abort on every qwen3 producer", timeout=10)
         assert not aborted(fleet.r1_url)
     finally:
         for url in fleet.qwen3_urls:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 from parity_cases import CASES, LEAK, STOP_DESYNC, STOP_KEPT, Case, cases_for, upstream
@@ -28,6 +27,7 @@ from parity_compare import (
     normalize_events,
     normalize_response,
 )
+from stack import wait_for
 from parity_paths import (
     MODELS,
     Served,
@@ -136,10 +136,7 @@ def check_upstream_bugs(bugs: tuple[str, ...], case: Case, streamed: dict, full:
 
 def wait_for_abort(served: Served, request_id: str) -> None:
     engine_id = f"generate-tokens-{request_id.removeprefix('chatcmpl-')}"
-    deadline = time.monotonic() + 10
-    while engine_id not in served.stack.sim_aborted() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert engine_id in served.stack.sim_aborted(), "the producer request was not aborted at the stop string"
+    wait_for(lambda: engine_id in served.stack.sim_aborted(), "the producer request's abort at the stop string", timeout=10)
 
 
 def run_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:

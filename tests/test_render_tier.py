@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 from parity_cases import ANSWERS, CASES, STOP_TEXT, Case, cases_for
 from parity_compare import assemble, id_shape
-from stack import DERENDER, Proc, _ok, _tcp, free_port, http_get, start_envoy, start_sim
+from stack import DERENDER, Proc, _ok, _tcp, free_port, http_get, start_envoy, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "8192", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
@@ -409,12 +409,8 @@ def test_client_disconnect_aborts_the_producer(stacks, answers):
         lines = r.iter_lines()
         first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
     engine_id = "generate-tokens-" + first["id"].removeprefix("chatcmpl-")
-    import time
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and engine_id not in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1]):
-        time.sleep(0.1)
-    assert engine_id in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1])
+    wait_for(lambda: engine_id in json.loads(http_get(stacks.sim_url + "/sim/aborted")[1]), "the producer request to be aborted",
+             timeout=10)
     stacks.sim_config()
 
 

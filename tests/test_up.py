@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from stack import LOGS, free_port, start_sim
+from stack import LOGS, free_port, start_sim, wait_for
 
 BIN = Path(sys.executable).parent
 
@@ -50,10 +49,8 @@ def test_up_with_an_external_producer_then_sigterm(qwen3_dir, qwen3_tokenizer):
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
-            time.sleep(0.2)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        wait_for(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE],
+                 "every child of derender up to exit", timeout=10)
     finally:
         if up.poll() is None:
             up.kill()
