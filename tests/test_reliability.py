@@ -13,6 +13,7 @@ misbehave at event ``fault_after`` for the requests that follow.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -482,3 +483,32 @@ def test_bad_input_is_refused_before_the_producer(sim, name, stream):
     assert error["code"] == status and error["type"]
     assert mentions.lower() in (error["message"] + str(error["param"])).lower(), error
     assert sim.sim_received() == before, "a refused request reached the producer"
+
+
+# -- shutdown ---------------------------------------------------------------------------------
+def test_sigterm_drains_open_streams_and_refuses_new_ones(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer):
+    """A filter told to stop (a rolling update, a scale-down) with its default forked workers:
+    the stream in flight runs to [DONE], a new request gets an OpenAI error at once, health checks
+    read NOT_SERVING, and the filter exits once the stream is done, well before --drain-timeout."""
+    from derender import health
+
+    flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
+                              "--drain-timeout", "60"], plain_stack.sim_url)
+    envoy, base = start_envoy(port, plain_stack.sim_url)
+    try:
+        assert health.check(f"127.0.0.1:{port}")
+        sim.sim_config(delay=0.05)
+        healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=base + "/v1")  # ~2 s of tokens
+        time.sleep(0.3)
+        os.killpg(flt.proc.pid, signal.SIGTERM)
+        wait_for(lambda: not health.check(f"127.0.0.1:{port}", timeout=1), what="the filter to stop serving health checks")
+        r = httpx.post(base + "/v1/chat/completions", json=chat(stream=False), timeout=30)
+        assert r.status_code >= 500 and r.json()["error"]["message"].startswith("the derender filter failed or is unreachable")
+        healthy.check()  # all of it, then [DONE]
+        assert flt.proc.wait(timeout=30) == 0
+        log = flt.log.read_text(errors="replace")
+        assert "draining 1 open streams" in log and "drained in" in log
+    finally:
+        sim.sim_config()
+        envoy.stop()
+        flt.stop()

@@ -104,6 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import stall
 
     stall.STALL_TIMEOUT = args.stall_timeout
+    from . import extproc
+
+    extproc.DRAIN_TIMEOUT = args.drain_timeout
 
     model = served(args)
     serve = workers.filter_server(model, args.producer, args.host, args.port)
@@ -196,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="abort a streaming producer request silent this long and end the client's stream with an "
         "error event (default: 240; 0: never); keep it below Envoy's stream idle timeout (300 s)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(os.environ.get("DERENDER_DRAIN_TIMEOUT") or 30),
+        metavar="SECONDS",
+        help="on SIGTERM, refuse new streams and give open ones this long to finish (default: 30; "
+        "SIGINT stops at once)",
     )
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import signal
+import time
 from typing import AsyncIterator
 
 import grpc
@@ -243,9 +245,10 @@ async def serve(
         ]
     )
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
-    processor = ObservedProcessor if metrics.enabled() else ExternalProcessor
-    pb_grpc.add_ExternalProcessorServicer_to_server(processor(Router(model, producer)), server)
-    await add_health(server)
+    kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
+    processor = kind(Router(model, producer))
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    health = await add_health(server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
@@ -255,7 +258,43 @@ async def serve(
     if ready is not None:
         ready.set()
     try:
-        await server.wait_for_termination()
+        await _until_terminated(server, health, processor)
     finally:
         await server.stop(grace=2)
         await producer.close()
+
+
+# Seconds the streams in flight get to finish after SIGTERM (``derender serve --drain-timeout``).
+DRAIN_TIMEOUT = 30.0
+
+
+async def _until_terminated(server: grpc.aio.Server, health, processor: ExternalProcessor) -> None:
+    """Serve until the server ends; on SIGTERM, drain: refuse new streams, let open ones finish.
+
+    The end of ``DRAIN_TIMEOUT`` cuts whatever is still open. More SIGTERMs change nothing: a
+    worker gets one from its supervisor and often one more from whoever signalled the process
+    group (systemd, a shell). SIGINT (Ctrl-C) stops at once.
+    """
+    terminated = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigterm() -> None:
+        if terminated.is_set():
+            log.info("SIGTERM again: still draining %d open streams", processor.active)
+        terminated.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread: nothing to catch here
+        pass
+    ended = asyncio.ensure_future(server.wait_for_termination())
+    told = asyncio.ensure_future(terminated.wait())
+    await asyncio.wait({ended, told}, return_when=asyncio.FIRST_COMPLETED)
+    told.cancel()
+    if not terminated.is_set():
+        return
+    log.info("SIGTERM: draining %d open streams (up to %g s); new streams are refused", processor.active, DRAIN_TIMEOUT)
+    await health.enter_graceful_shutdown()  # NOT_SERVING to health checks
+    started = time.monotonic()
+    await server.stop(grace=DRAIN_TIMEOUT)
+    log.info("drained in %.1f s", time.monotonic() - started)
