@@ -339,11 +339,13 @@ class Bench:
     def ttft(self) -> dict:
         """Long prompts: time to first token through the filter vs Envoy alone, and vLLM's /render."""
         plan = self.plan
-        self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
-        # Tokens paced as a decoding GPU sends them (the first one too, for every path): with no
-        # delay the whole answer lands in the first body chunk, and the filter's first bytes would
-        # wait for all of it to be translated, which is no time to first token.
-        self.sim_config(delay=plan.load_delay)
+        # A short answer (reasoning opens, two tokens, end of turn): the simulator sends it at once,
+        # and a long one would land whole in the first body chunk, so the filter's first bytes would
+        # wait for all of it to be translated, which is not time to first token. (Pacing the tokens
+        # instead lets the machine idle between them, and waking it costs tens of ms at random here.)
+        full = streams.reasoning_tool_call(self.model_dir, 64)
+        self.write_script(full[:3] + full[-1:])
+        self.sim_config(delay=0.0)
         out = {}
         for n in plan.prompts:
             chat = streams.chat_request(SERVED, tools=True, prompt=streams.prompt_of(self.model_dir, n), max_tokens=128)
