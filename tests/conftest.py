@@ -37,6 +37,14 @@ def qwen3_tokenizer(qwen3_dir):
     return Tokenizer.from_file(f"{qwen3_dir}/tokenizer.json")
 
 
+@pytest.fixture(scope="session", params=["qwen3", "deepseek-r1", "gpt-oss"])
+def hf_tokenizer(request):
+    """Each real tokenizer as vLLM's renderer and detokenizer get it (a transformers fast tokenizer)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(assets.fetch(request.param)))
+
+
 class Script:
     """The simulator's JSONL script: what the "GPU" answers next."""
 

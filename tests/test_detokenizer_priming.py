@@ -11,7 +11,6 @@ tokens skipped or kept and with or without spaces between them.
 
 from __future__ import annotations
 
-import pytest
 from derender.outputs import PRIMING_TAIL
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -23,14 +22,6 @@ TEXT = st.text(
     ),
     max_size=30,
 )
-
-
-@pytest.fixture(scope="module", params=["qwen3", "deepseek-r1", "gpt-oss"])
-def tokenizer(request):
-    from derender import assets
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(assets.fetch(request.param)))
 
 
 def ids_strategy(tokenizer, max_pieces: int):
@@ -58,14 +49,14 @@ def detokenizer(tokenizer, prompt: list[int], skip_special_tokens: bool, spaces_
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans(), spaces=st.booleans())
-def test_tail_priming_gives_vllms_text(tokenizer, data, skip, spaces):
+def test_tail_priming_gives_vllms_text(hf_tokenizer, data, skip, spaces):
     from derender.outputs import prime_with_tail
 
-    head = data.draw(ids_strategy(tokenizer, 40), label="head")  # what falls before the tail
-    prompt = FILLER(tokenizer) + head + data.draw(ids_strategy(tokenizer, 20), label="prompt end")
-    output = data.draw(ids_strategy(tokenizer, 8), label="output")
-    vllm = detokenizer(tokenizer, prompt, skip, spaces)
-    ours = detokenizer(tokenizer, prompt, skip, spaces)
+    head = data.draw(ids_strategy(hf_tokenizer, 40), label="head")  # what falls before the tail
+    prompt = FILLER(hf_tokenizer) + head + data.draw(ids_strategy(hf_tokenizer, 20), label="prompt end")
+    output = data.draw(ids_strategy(hf_tokenizer, 8), label="output")
+    vllm = detokenizer(hf_tokenizer, prompt, skip, spaces)
+    ours = detokenizer(hf_tokenizer, prompt, skip, spaces)
     primed = ours.stream
     prime_with_tail(ours, prompt)
     event("tail" if ours.stream is not primed else "whole prompt (guard)")
@@ -76,12 +67,12 @@ def FILLER(tokenizer) -> list[int]:
     return tokenizer.encode("Some words before the interesting part. " * 8, add_special_tokens=False)[: PRIMING_TAIL + 1]
 
 
-def test_tail_priming_is_used_for_a_plain_long_prompt(tokenizer):
+def test_tail_priming_is_used_for_a_plain_long_prompt(hf_tokenizer):
     """The guard does not refuse ordinary prompts (else the test above proves nothing new)."""
     from derender.outputs import prime_with_tail
 
-    prompt = tokenizer.encode("A long prompt about nothing in particular. " * 20, add_special_tokens=False)
-    ours = detokenizer(tokenizer, prompt, True, True)
+    prompt = hf_tokenizer.encode("A long prompt about nothing in particular. " * 20, add_special_tokens=False)
+    ours = detokenizer(hf_tokenizer, prompt, True, True)
     before = ours.stream
     prime_with_tail(ours, prompt)
     assert ours.stream is not before

@@ -29,31 +29,23 @@ PIECE = st.one_of(
 SEGMENT = st.lists(PIECE, max_size=30).map("".join)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "deepseek-r1", "gpt-oss"])
-def tokenizer(request):
-    from derender import assets
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(assets.fetch(request.param)))
-
-
 def long_text(segments: list[str]) -> str:
     base = "".join(segments) + " and some plain words between "
     return (base * math.ceil(longprompt.MIN_CHARS * 1.2 / len(base)))[: int(longprompt.MIN_CHARS * 1.2)]
 
 
-def test_the_real_tokenizers_are_splittable(tokenizer):
-    assert longprompt.splittable(tokenizer)
+def test_the_real_tokenizers_are_splittable(hf_tokenizer):
+    assert longprompt.splittable(hf_tokenizer)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(segments=st.lists(SEGMENT, min_size=1, max_size=30))
-def test_pieces_give_the_whole_texts_ids(tokenizer, segments):
+def test_pieces_give_the_whole_texts_ids(hf_tokenizer, segments):
     text = long_text(segments)
-    parts = longprompt.pieces(tokenizer, text)
+    parts = longprompt.pieces(hf_tokenizer, text)
     assert "".join(parts) == text
     event(f"{len(parts)} pieces" if len(parts) < 3 else "3+ pieces")
-    assert longprompt.encode(tokenizer, parts) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert longprompt.encode(hf_tokenizer, parts) == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
