@@ -148,8 +148,9 @@ def markdown(r: dict) -> str:
         "",
         ("Ours: through Envoy + filter (render, producer, first chunk). Envoy alone: the same producer request, "
         "rendered beforehand, straight through Envoy. vLLM /render: the same chat request to `vllm launch render`. "
-        "One request at a time, interleaved (ours, Envoy alone, /render), median of the repeats, measured after "
-        "vLLM's derender streams of section 2 are done; the answer is 4 tokens, sent at once."),
+        "One request at a time, interleaved (ours, Envoy alone, /render), measured after vLLM's derender streams "
+        f"of section 2 are done: {plan.get('ttft_warmup', 0)} untimed rounds per prompt (each server process meets "
+        f"the prompt first), then the median of {plan['ttft_repeat']}; the answer is 4 tokens, sent at once."),
         "",
     ]
     rows = []

@@ -66,7 +66,8 @@ class Plan:
     length_delay: float = 0.005
     vllm_lengths: tuple[int, ...] = (250, 1000, 2000)
     prompts: tuple[int, ...] = (1000, 8000, 32000)
-    ttft_repeat: int = 5
+    ttft_repeat: int = 7
+    ttft_warmup: int = 4  # untimed rounds first: each worker and server meets this prompt before it is timed
 
     @classmethod
     def quick(cls) -> Plan:
@@ -80,6 +81,7 @@ class Plan:
             vllm_lengths=(100, 250, 500),
             prompts=(1000, 8000),
             ttft_repeat=1,
+            ttft_warmup=1,
         )
 
 
@@ -354,7 +356,7 @@ class Bench:
             prompt_tokens = len(generate["token_ids"])
             direct = json.dumps(generate).encode()
             ours, alone, render = [], [], []
-            for _ in range(plan.ttft_repeat):
+            for _ in range(plan.ttft_warmup + plan.ttft_repeat):
                 r, _ = asyncio.run(load.streams(self.configs["hermes"].envoy.url + "/v1/chat/completions", chat_body, 1, 1))
                 ours.append(r[0].ttft)
                 r, _ = asyncio.run(load.streams(self.configs["envoy"].envoy.url + "/inference/v1/generate", direct, 1, 1))
@@ -362,6 +364,7 @@ class Bench:
                 start = time.monotonic()
                 post(self.render_url + "/v1/chat/completions/render", chat)
                 render.append(time.monotonic() - start)
+            del ours[: plan.ttft_warmup], alone[: plan.ttft_warmup], render[: plan.ttft_warmup]
             out[n] = {
                 "prompt_tokens": prompt_tokens,
                 "ours": statistics.median(ours),

@@ -87,7 +87,8 @@ def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_to
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
         producer = Producer()
         exchange = ChatExchange(hermes_model, producer, None)
-        await exchange.request_body(json.dumps(body).encode())
+        rewrite = await exchange.request_body(json.dumps(body).encode())
+        rewrite.then()  # as the ext_proc server does once the request has gone on
         exchange.response_headers(200)
         sent = b"".join(exchange.response_chunk(event([i]), False) for i in ids)
         sent += await end(exchange)
@@ -109,3 +110,59 @@ def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_to
         assert sent.endswith(b"data: [DONE]\n\n") and b'"error"' in sent
     if end is end_stall:
         assert b"the producer sent nothing for 0.1 s" in sent
+
+
+def leftovers() -> list[str]:
+    gc.collect()
+    return [g.ag_code.co_qualname for g in gc.get_objects() if isinstance(g, types.AsyncGeneratorType) and g.ag_running]
+
+
+@pytest.mark.parametrize("answer", ["client gone", "producer error", "answered, then cut"])
+def test_a_stream_built_ahead_and_never_used_is_shut(hermes_model, answer):
+    """The stream state built while the producer is reached, when no stream follows."""
+    from derender.chat import ChatExchange
+
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    errors: list[dict] = []
+
+    async def main() -> bytes:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        exchange = ChatExchange(hermes_model, Producer(), None)
+        rewrite = await exchange.request_body(json.dumps(body).encode())
+        rewrite.then()
+        assert exchange._ready is not None and exchange.stream is None
+        out = b""
+        if answer == "producer error":
+            start = exchange.response_headers(503)
+            assert start.buffer and exchange.stream is None
+            out, _ = await exchange.response_body(b'{"error": {"message": "busy", "code": 503}}')
+        elif answer == "answered, then cut":  # the stream built ahead is the one the answer uses
+            ready = exchange._ready
+            exchange.response_headers(200)
+            assert exchange.stream is ready
+        exchange.close(answer != "client gone")
+        assert exchange._ready is None
+        del exchange
+        gc.collect()
+        await asyncio.sleep(0.05)
+        return out
+
+    out = asyncio.run(main())
+    assert not leftovers()
+    assert not errors, [c.get("message") or repr(c.get("exception")) for c in errors]
+    if answer == "producer error":
+        assert b"busy" in out
+
+
+def test_a_request_that_does_not_stream_builds_nothing_ahead(hermes_model):
+    from derender.chat import ChatExchange
+
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def main() -> None:
+        exchange = ChatExchange(hermes_model, Producer(), None)
+        rewrite = await exchange.request_body(json.dumps(body).encode())
+        assert rewrite.then is None
+        exchange.close(True)
+
+    asyncio.run(main())

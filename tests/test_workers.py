@@ -54,6 +54,13 @@ def test_every_worker_listens_on_the_one_port(workers_stack):
     assert not _listening(flt.proc.pid, port)  # the supervisor does not serve
 
 
+def test_each_worker_warms_up_after_the_fork(workers_stack):
+    flt, _, _ = workers_stack
+    log = flt.log.read_text()
+    assert log.count("derender.warmup: model qwen3 warmed up in ") == 2, log[-3000:]
+    assert "warm-up of model" not in log
+
+
 def test_a_chat_stream_through_envoy(workers_stack):
     from openai import OpenAI
 

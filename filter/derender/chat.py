@@ -13,7 +13,7 @@ import logging
 import time
 from copy import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from . import logs, metrics
 from .derender import ChatStream, chat_completion
@@ -34,6 +34,8 @@ class Rewrite:
     body: bytes
     path: str
     set_headers: dict[str, str] = field(default_factory=dict)
+    # Work for the time the producer takes to answer, once the request has gone on.
+    then: Callable[[], None] | None = None
 
 
 @dataclass
@@ -58,6 +60,7 @@ class ChatExchange:
         self.x_request_id = x_request_id
         self.rendered: Rendered | None = None
         self.stream: ChatStream | None = None
+        self._ready: ChatStream | None = None  # built while the producer is reached (``prepare``)
         self.status = 0
         self._sse = SSEDecoder()
         self._started = time.monotonic()
@@ -91,7 +94,24 @@ class ChatExchange:
             body=self.rendered.body,
             path=GENERATE_PATH,
             set_headers={"content-type": "application/json"},
+            then=self.prepare if self.rendered.stream else None,
         )
+
+    def prepare(self) -> None:
+        """Build the stream's state (detokenizers, vLLM's parsers) before the producer answers.
+
+        A few milliseconds that would otherwise come between the producer's
+        first token and the client's.
+        """
+        if self.rendered is None or self._ready is not None or self.stream is not None:
+            return
+        try:
+            ready = self.stream_class(self.model, self.rendered)
+            ready.start()
+        except Exception:  # built again at the response headers, failing where it always did
+            log.debug("stream state not built ahead", exc_info=True)
+            return
+        self._ready = ready
 
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int) -> ResponseStart:
@@ -100,8 +120,9 @@ class ChatExchange:
         self.status = self.client_status = status
         if status != 200:
             self._failed(metrics.producer_error, "status")
+        ready, self._ready = self._ready, None
         if status == 200 and self.rendered.stream:
-            self.stream = self.stream_class(self.model, self.rendered)
+            self.stream = ready or self.stream_class(self.model, self.rendered)
             self._watch = StallWatch(self.rendered.request_id, self._stalled)
             self._watch.start()
             return ResponseStart(
@@ -109,6 +130,8 @@ class ChatExchange:
                 ["content-length"],
                 buffer=False,
             )
+        if ready is not None:  # the producer refused: its error goes out buffered
+            ready.close()
         return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=True)
 
     def response_chunk(self, chunk: bytes, end: bool) -> bytes:
@@ -215,6 +238,9 @@ class ChatExchange:
         """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
         if self._watch is not None:
             self._watch.stop()
+        if self._ready is not None:  # no producer answer came
+            self._ready.close()
+            self._ready = None
         if self.stream is not None and not self.stream.finished:
             if not complete:
                 self._abort("client gone")

@@ -56,6 +56,7 @@ class ChatStream:
         self._queue: deque[Any] = deque()
         self._ended = False
         self._step: Any = None
+        self._early = b""  # what the generator yielded before the first event (``start``)
         self._agen = self._generator(model, rendered)
 
     def _generator(self, model: Model, rendered: Rendered):
@@ -74,6 +75,19 @@ class ChatStream:
             chat_template_kwargs=rendered.chat_template_kwargs,
         )
 
+    def start(self) -> None:
+        """Run vLLM's generator up to its wait for the first event; it builds its parsers there.
+
+        It yields nothing then unless the parsers cannot be built (an error
+        chunk and the end): that goes out ahead of the first event's frames.
+        """
+        if self._step is None and not self.finished:
+            self._early = self._pump()
+
+    def _take_early(self) -> bytes:
+        early, self._early = self._early, b""
+        return early
+
     async def _results(self):
         while True:
             while self._queue:
@@ -85,7 +99,7 @@ class ChatStream:
     def feed(self, payload: bytes) -> tuple[bytes, bool]:
         """One SSE ``data:`` payload from the producer -> (client bytes, abort producer?)."""
         if self.finished:
-            return b"", False
+            return self._take_early(), False
         if payload == b"[DONE]":
             return self.end(), False
         try:
@@ -112,7 +126,7 @@ class ChatStream:
     def end(self) -> bytes:
         """The producer's stream is over (``[DONE]`` or end of body)."""
         if self.finished:
-            return b""
+            return self._take_early()
         if not self.outputs.done:
             return self.fail(502, "the producer's stream ended before the generation finished")
         self._ended = True
@@ -121,9 +135,9 @@ class ChatStream:
     def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
         """Stop here: what was produced so far, an OpenAI error event, then ``[DONE]``."""
         if self.finished:
-            return b""
+            return self._take_early()
         self._close()
-        return error_event(status, message, err_type) + DONE
+        return self._take_early() + error_event(status, message, err_type) + DONE
 
     def close(self) -> None:
         """The exchange ended before the stream did (client gone): shut vLLM's generator."""
@@ -175,7 +189,7 @@ class ChatStream:
                 self._step = None
                 raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
             break
-        return "".join(frames).encode()
+        return self._take_early() + "".join(frames).encode()
 
 
 class _Shut(BaseException):

@@ -31,6 +31,7 @@ from .health import add_health
 from .model import Model
 from .producer import Producer
 from .routes import Reply, Router
+from .warmup import warm_up
 
 log = logging.getLogger("derender.extproc")
 
@@ -144,6 +145,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     rewritten = True
                     yield self._request_rewrite(rewrite)
+                    if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
+                        rewrite.then()
                 elif kind == "response_headers" and exchange is not None and not rewritten:
                     # Envoy answered before the body reached the filter (413: body too large).
                     complete = True
@@ -237,6 +240,10 @@ async def serve(
 ) -> None:
     """Serve ext_proc on ``host:port``; ``reuse_port`` lets sibling workers bind the same port."""
     producer = Producer(producer_url)
+    router = Router(model, producer)
+    for backend in router.backends:
+        if backend.model is not None:
+            await warm_up(backend.model)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 256 << 20),
@@ -246,7 +253,7 @@ async def serve(
     )
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
-    processor = kind(Router(model, producer))
+    processor = kind(router)
     pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = await add_health(server)
     address = f"{host}:{port}"

@@ -68,16 +68,17 @@ def _die_with_parent() -> None:
 
 def run(serve: Serve, port: int, workers: int) -> int:
     """Serve with ``workers`` processes (forked, sharing ``port``); returns the exit code."""
+    if workers > 1 and port == 0:
+        raise ValueError("--workers > 1 needs a fixed --port (every worker binds it)")
+    # The model's objects live as long as the process: the garbage collector leaves them
+    # alone instead of walking them all (tens of ms on a request now and then), and forked
+    # workers do not touch (and so copy) every page that holds one.
+    gc.freeze()
     if workers <= 1:
         run_one(serve)
         return 0
-    if port == 0:
-        raise ValueError("--workers > 1 needs a fixed --port (every worker binds it)")
     children: dict[int, int] = {}
     parent = os.getpid()
-    # The model's objects stay shared: the workers' garbage collector leaves them alone
-    # instead of touching (and so copying) every page that holds one.
-    gc.freeze()
     for index in range(workers):
         pid = os.fork()
         if pid == 0:  # worker
