@@ -49,8 +49,8 @@ def markdown(r: dict) -> str:
         ("- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
         "per event, through Envoy 1.40 with `envoy/local.yaml`"),
         ("- vLLM's derender streams (section 2) take minutes of one core: they run on their own simulator and "
-         "`vllm launch render` beside sections 1 and 3, so those share the machine with them as with any other load; "
-         "CPU is counted per process"),
+         "`vllm launch render` beside our length runs of section 2 only (CPU is counted per process there); latency, "
+         "throughput and time to first token have the machine to themselves"),
         "- load average when each phase started: "
         + ", ".join(f"{k} {v:.1f}" for k, v in r.get("load_average", {}).items()),
         "",
@@ -85,6 +85,9 @@ def markdown(r: dict) -> str:
             (f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
             f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {int(concurrency) / plan['load_delay']:,.0f} tokens/s)"),
             "",
+            (f"Every path ran {plan.get('load_rounds', 1)} times, the paths interleaved; each row is its median round "
+             "by tokens/s (the last column gives every round)."),
+            "",
         ]
         rows = []
         for name, run in runs.items():
@@ -100,10 +103,12 @@ def markdown(r: dict) -> str:
                 ms(run["read_gap"]["p99"]),
                 "/".join(f"{x * 100:.0f}" for x in run.get("worker_share", [])) or "-",
                 str(run["failed"]),
+                " / ".join(num(x) for x in run.get("rounds_tokens_per_s", [run["tokens_per_s"]])),
             ])
         out += table(
             ["path", "tokens/s", "vs echo floor", "ext_proc CPU us/token", "Envoy CPU us/token", "msgs to ext_proc /token",
-             "replies /token", "p50 gap between reads ms", "p99 gap ms", "CPU split over workers %", "failed streams"],
+             "replies /token", "p50 gap between reads ms", "p99 gap ms", "CPU split over workers %", "failed streams",
+             "rounds tokens/s"],
             rows,
         )
 
