@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -122,7 +123,8 @@ class Bench:
         self.vllm_sim_url = f"http://127.0.0.1:{ports['sim-vllm']}"
         self.vllm_url = f"http://127.0.0.1:{ports['vllm']}"
         self.render_url = f"http://127.0.0.1:{ports['vllm-render']}"
-        derender = [p.PYTHON, "-m", "derender.cli", "--log-level", "warning"]
+        # At the default level: the request log's render_ms is how long each render took.
+        derender = [p.PYTHON, "-m", "derender.cli"]
 
         def sim(port: int, script: Path) -> list[str]:
             return [p.PYTHON, str(BENCH / "timed_sim.py"), "--model", self.model_dir, "--port", str(port),
@@ -371,11 +373,15 @@ class Bench:
                 post(self.render_url + "/v1/chat/completions/render", chat)
                 render.append(time.monotonic() - start)
             del ours[: plan.ttft_warmup], alone[: plan.ttft_warmup], render[: plan.ttft_warmup]
+            logged = request_log(self.configs["hermes"].server, prompt_tokens)[-plan.ttft_repeat :]
             out[n] = {
                 "prompt_tokens": prompt_tokens,
                 "ours": statistics.median(ours),
                 "envoy": statistics.median(alone),
                 "vllm_render": statistics.median(render),
+                # The filter's own clock: its render, and its request headers to its first token.
+                "ours_render": statistics.median(line["render_ms"] for line in logged) / 1e3 if logged else None,
+                "ours_filter_ttft": statistics.median(line["ttft_ms"] for line in logged) / 1e3 if logged else None,
             }
             log(f"  prompt {prompt_tokens} tokens: TTFT ours {out[n]['ours'] * 1e3:.0f} ms, Envoy alone "
                 f"{out[n]['envoy'] * 1e3:.0f} ms, vLLM /render {out[n]['vllm_render'] * 1e3:.0f} ms")
@@ -436,6 +442,15 @@ def percentiles(values: list[float]) -> dict:
         return {"p50": float("nan"), "p99": float("nan"), "n": 0}
     values = sorted(values)
     return {"p50": values[len(values) // 2], "p99": values[min(len(values) - 1, int(len(values) * 0.99))], "n": len(values)}
+
+
+def request_log(server: procs.Proc, prompt_tokens: int) -> list[dict[str, float]]:
+    """The timings (``*_ms``) of the filter's request log lines for prompts of ``prompt_tokens`` tokens."""
+    lines = []
+    for line in server.log.read_text(errors="replace").splitlines():
+        if f" prompt_tokens={prompt_tokens} " in line and " render_ms=" in line:
+            lines.append({k: float(v) for k, v in re.findall(r"(\w+_ms)=([\d.]+)", line)})
+    return lines
 
 
 def strip(run: dict) -> dict:
