@@ -19,6 +19,7 @@ import openai
 import pytest
 from parity_cases import Case, Choice, chunked, logprob_rows
 from reference import CoupledChat, ScriptedEngine
+from stack import wait_for
 
 FLAGS = ("--served-model-name", "qwen3", "--max-model-len", "4096")  # conftest's plain_stack
 EOS = 151643  # <|endoftext|>: what a base-model completion ends with
@@ -182,14 +183,20 @@ def test_echo_and_text_offsets(sim, script, coupled, ids, qwen3_tokenizer):
     assert got["choices"][0]["finish_reason"] == "length"
 
 
-def test_stop_string_aborts_the_producer(sim, script, coupled, ids):
+@pytest.mark.parametrize("stream", [True, False])
+def test_stop_string_aborts_the_producer(sim, script, coupled, ids, stream):
+    """Streaming or not: a non-streaming request with stop strings is streamed from the producer too."""
     case = cases(ids)["stop string across events"]
     sim.sim_config(delay=0.01)
-    got, _ = run(sim, script, coupled, case, stream=True)
-    text = "".join(c["text"] for e in got if isinstance(e, dict) for c in e["choices"])
+    got, _ = run(sim, script, coupled, case, stream=stream)
+    assert sim.sim_requests()[-1]["stream"] is True
+    if stream:
+        text = "".join(c["text"] for e in got if isinstance(e, dict) for c in e["choices"])
+    else:
+        text = got["choices"][0]["text"]
     assert "STOP" not in text and "after" not in text and text
-    engine_id = "generate-tokens-" + got[0]["id"].removeprefix("cmpl-")
-    assert engine_id in sim.sim_aborted()
+    engine_id = "generate-tokens-" + (got[0] if stream else got)["id"].removeprefix("cmpl-")
+    wait_for(lambda: engine_id in sim.sim_aborted(), what="the producer request's abort at the stop string")
 
 
 def test_completions_with_the_openai_sdk(sim, client, script, ids, qwen3_tokenizer):

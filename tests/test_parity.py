@@ -175,6 +175,9 @@ def run_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
         got_full = through_envoy(served, body)
         want_full, _ = served.reference.run(body, steps)
         assert normalize_response(got_full) == normalize_response(want_full), "non-streaming response differs"
+        if isinstance(case.expect.get("stop"), str):  # streamed from the producer, so it can stop it in time
+            assert served.stack.sim_requests()[-1]["stream"] is True
+            wait_for_abort(served, got_full["id"])
 
 
 def non_streaming(body: dict) -> dict:

@@ -146,6 +146,51 @@ def test_malformed_producer_response_non_streaming(sim, script, qwen3_tokenizer,
     assert error["code"] == 502 and "producer" in error["message"]
 
 
+# A non-streaming request with stop strings is streamed from the producer (the filter stops it at
+# the stop string): its status went out with the producer's headers, so a fault mid-stream reaches
+# the client as an OpenAI error object with status 200, and nothing raw.
+@pytest.mark.parametrize("fault", [*MALFORMED, "error event"])
+def test_fault_in_a_non_streaming_answer_with_stop_strings(sim, script, qwen3_tokenizer, fault):
+    ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    if fault == "error event":
+        sim.sim_config(delay=0.04, error_after=3)
+    else:
+        sim.sim_config(delay=0.04, fault=fault, fault_after=3)
+    before = len(sim.sim_aborted())
+    try:
+        r = httpx.post(sim.base_url + "/chat/completions", json=chat(stream=False, stop=["omega"]), timeout=30)
+    finally:
+        sim.sim_config()
+    assert sim.sim_requests()[-1]["stream"] is True
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert_nothing_raw(r.content)
+    error = r.json()["error"]
+    if fault == "error event":  # the producer's own error
+        assert error["code"] == 500 and error["message"] == "Internal server error"
+    else:  # the producer went on generating: the filter aborts it
+        assert error["code"] == 502 and "producer" in error["message"]
+        wait_for(lambda: len(sim.sim_aborted()) > before, what="the producer request to be aborted")
+
+
+def test_non_streaming_answer_with_stop_strings_stops_the_producer(sim, script, qwen3_tokenizer):
+    """The answer comes when the stop string does, not when the producer would have reached its end."""
+    ids = encode(qwen3_tokenizer, "one two three STOP " + "and more " * 300)
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    sim.sim_config(delay=0.02)
+    before = len(sim.sim_aborted())
+    try:
+        r = httpx.post(sim.base_url + "/chat/completions", json=chat(stream=False, stop=["STOP"]), timeout=60)
+    finally:
+        sim.sim_config()
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["message"]["content"] == "one two three "
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["stop_reason"] == "STOP"
+    engine = "generate-tokens-" + answer["id"].removeprefix("chatcmpl-")
+    wait_for(lambda: engine in sim.sim_aborted()[before:], what="the producer request to be aborted at the stop string")
+
+
 @pytest.fixture(scope="module")
 def dead_producer_envoy(plain_stack):
     """An Envoy whose producer cluster points at a port nobody listens on (same filter)."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import logs, metrics
-from .derender import ChatStream, chat_completion
+from .collect import Collected
+from .derender import ChatStream, chat_completion, chat_completion_of
 from .errors import HTTPError, error_body, from_exception
 from .model import Model
 from .producer import GENERATE_PATH, Producer
@@ -25,6 +26,8 @@ from .sse import SSEDecoder, SSEError
 from .stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.chat")
+
+INCOMPLETE = "the producer's stream ended before the generation finished"
 
 
 @dataclass
@@ -52,6 +55,7 @@ class ChatExchange:
     render = staticmethod(render_chat)
     stream_class = ChatStream
     full_response = staticmethod(chat_completion)
+    full_response_of = staticmethod(chat_completion_of)  # from the final output (``Collected``)
     endpoint = "chat"
 
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
@@ -59,7 +63,7 @@ class ChatExchange:
         self.producer = producer
         self.x_request_id = x_request_id
         self.rendered: Rendered | None = None
-        self.stream: ChatStream | None = None
+        self.stream: ChatStream | Collected | None = None
         self._ready: ChatStream | None = None  # built while the producer is reached (``prepare``)
         self.status = 0
         self._sse = SSEDecoder()
@@ -132,12 +136,17 @@ class ChatExchange:
             )
         if ready is not None:  # the producer refused: its error goes out buffered
             ready.close()
+        if status == 200 and self.rendered.collect:  # streamed from the producer, one JSON to the client
+            self.stream = Collected(self.model, self.rendered)
+            return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=False)
         return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=True)
 
-    def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        """Streaming: one body chunk of SSE from the producer -> client bytes."""
+    def response_chunk(self, chunk: bytes, end: bool) -> Any:
+        """Streaming: one body chunk of SSE from the producer -> client bytes (awaitable if collected)."""
         stream = self.stream
         assert stream is not None
+        if isinstance(stream, Collected):
+            return self._collect(stream, chunk, end)
         if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
             return stream.fail(504, stall_message())
         try:
@@ -181,6 +190,39 @@ class ChatExchange:
         if self._sent is not None:
             self._sent.append(data)
         return data
+
+    async def _collect(self, collected: Collected, chunk: bytes, end: bool) -> bytes:
+        """Non-streaming with stop strings: nothing until the generation is over, then the one JSON answer."""
+        assert self.rendered is not None
+        if collected.finished:
+            return b""
+        try:
+            if collected.feed(chunk, end):
+                self._abort("stop string")
+            if collected.final is None:
+                if not end:
+                    return b""
+                raise HTTPError(502, INCOMPLETE)
+            out = await self.full_response_of(self.model, self.rendered, collected.final)
+        except HTTPError as exc:
+            if exc.message == INCOMPLETE:
+                self._failed(metrics.producer_error, "incomplete")
+            elif exc.status == 502:
+                self._failed(metrics.parser_error, "response")
+            else:
+                self._failed(metrics.producer_error, "error")
+            if not end:
+                self._abort("stream failed")
+            out = exc.body()
+        except Exception:  # a bug must end this exchange with an error, never the gRPC stream
+            log.exception("response %s failed", self.rendered.request_id)
+            self._failed(metrics.parser_error, "response")
+            self._abort("filter error")
+            out = error_body(500, "internal error in the filter while translating the response")
+        collected.finished = True
+        if self._sent is not None:
+            self._sent.append(out)
+        return out
 
     def _stalled(self) -> None:
         """The producer went quiet: abort its request; its last words end the client's stream."""

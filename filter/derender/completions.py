@@ -17,7 +17,6 @@ Two refusals, both 400 before anything reaches a producer:
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -25,10 +24,9 @@ from typing import Any
 
 
 from .chat import ChatExchange
-from .derender import ChatStream
+from .derender import ChatStream, choice_outputs, final_output
 from .errors import HTTPError, dumps, from_exception, parse_body
 from .model import Model, _EngineStandIn
-from .outputs import ChoiceOutputs, ProducerError
 from .render import Rendered, producer_body
 
 ONE_PROMPT = (
@@ -123,22 +121,15 @@ class CompletionStream(ChatStream):
 
 async def completion_response(model: Model, rendered: RenderedCompletion, body: bytes) -> bytes:
     """A non-streaming producer response -> the ``text_completion`` JSON vLLM would send."""
+    outputs = choice_outputs(model, rendered, stream=False)
+    return await completion_of(model, rendered, final_output(outputs, body))
+
+
+async def completion_of(model: Model, rendered: RenderedCompletion, final: Any) -> bytes:
+    """The generation's final ``RequestOutput`` -> the ``text_completion`` JSON, by vLLM's own code."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
-    try:
-        response = json.loads(body)
-        outputs = ChoiceOutputs(
-            model.tokenizer, rendered.request_id, rendered.prompt_token_ids, rendered.params, stream=False
-        )
-        finals = []
-        for choice in response.get("choices") or ():
-            finals.extend(outputs.step(choice)[0])
-    except (ProducerError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise HTTPError(502, f"invalid producer response: {exc}") from None
-    if not outputs.done or len(finals) != 1:
-        raise HTTPError(502, "the producer's response does not finish every choice")
     serving = serving_completion(model)
-    final = finals[0]
     if final.prompt is None:
         final.prompt = serving._extract_prompt_text(rendered.engine_input)
     try:
@@ -162,4 +153,5 @@ class CompletionExchange(ChatExchange):
     render = staticmethod(render_completion)
     stream_class = CompletionStream
     full_response = staticmethod(completion_response)
+    full_response_of = staticmethod(completion_of)
     endpoint = "completion"

@@ -145,11 +145,8 @@ class ChatStream:
             self._close()
 
     def _fail_with_producer_error(self, error: Any) -> bytes:
-        if not isinstance(error, dict):
-            return self.fail(502, f"producer error: {error!r}")
-        code = error.get("code")
-        status = code if isinstance(code, int) and 400 <= code < 600 else 500
-        return self.fail(status, str(error.get("message", "producer error")), error.get("type"))
+        failure = producer_error_event(error)
+        return self.fail(failure.status, failure.message, failure.type)
 
     def _close(self) -> None:
         self.finished = True
@@ -204,6 +201,15 @@ def _shut(awaitable: Any) -> None:
         pass
 
 
+def producer_error_event(error: Any) -> HTTPError:
+    """A producer's ``{"error": ...}`` event as the error the client gets (the producer's code as status)."""
+    if not isinstance(error, dict):
+        return HTTPError(502, f"producer error: {error!r}")
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return HTTPError(status, str(error.get("message", "producer error")), error.get("type"))
+
+
 def check_output_mode(event: Any) -> None:
     """Token ids are all the filter can use: ``output_mode`` "text" or "derender" would be rendered twice."""
     if not isinstance(event, dict):
@@ -215,12 +221,15 @@ def check_output_mode(event: Any) -> None:
 
 async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes) -> bytes:
     """A non-streaming producer response -> the ``chat.completion`` JSON vLLM would send."""
-    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+    outputs = choice_outputs(model, rendered, stream=False)
+    return await chat_completion_of(model, rendered, final_output(outputs, producer_body))
 
+
+def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
+    """The one final ``RequestOutput`` of a non-streaming producer response."""
     try:
         response = json.loads(producer_body)
         check_output_mode(response)
-        outputs = choice_outputs(model, rendered, stream=False)
         finals = []
         for choice in response.get("choices") or ():
             finals.extend(outputs.step(choice)[0])
@@ -228,9 +237,15 @@ async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes
         raise HTTPError(502, f"invalid producer response: {exc}") from None
     if not outputs.done or len(finals) != 1:
         raise HTTPError(502, "the producer's response does not finish every choice")
+    return finals[0]
+
+
+async def chat_completion_of(model: Model, rendered: Rendered, final: Any) -> bytes:
+    """The generation's final ``RequestOutput`` -> the ``chat.completion`` JSON, by vLLM's full generator."""
+    from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
     async def results():
-        yield finals[0]
+        yield final
 
     request = rendered.request
     chat = model.serving_chat

@@ -6,7 +6,8 @@ template with tools and ``chat_template_kwargs``, ``max_tokens`` from
 ``max_model_len``, sampling params. One change on the way out: stop strings
 stay with the filter. The filter holds the detokenizer, so it matches them,
 holds text back and aborts the producer, as the coupled server does; a
-``--tokens-only`` producer would refuse them.
+``--tokens-only`` producer would refuse them. So that it can abort in time,
+a non-streaming request with stop strings is streamed from the producer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class Rendered:
     @property
     def stream(self) -> bool:
         return bool(self.request.stream)
+
+    @property
+    def collect(self) -> bool:
+        """Non-streaming with stop strings: the producer streams, the filter answers once (``collect``)."""
+        return not self.stream and bool(self.params.stop)
 
 
 def parse_chat_request(model: Model, raw: bytes) -> Any:
@@ -68,14 +74,22 @@ async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Ren
 
 
 def producer_body(generate_request: Any) -> bytes:
-    """The JSON vLLM's render endpoint would return, minus the stop strings."""
+    """The JSON vLLM's render endpoint would return, minus the stop strings.
+
+    A non-streaming request with stop strings asks the producer for a stream:
+    the filter has to see the tokens as they come to stop the producer at the
+    stop string, as vLLM's engine stops itself (``collect``).
+    """
     params = generate_request.sampling_params
     if params.stop:
         params = copy(params)
         params.stop = []
         params.include_stop_str_in_output = False
         params.output_text_buffer_length = 0
-        generate_request = generate_request.model_copy(update={"sampling_params": params})
+        update: dict[str, Any] = {"sampling_params": params}
+        if not generate_request.stream:
+            update["stream"] = True
+        generate_request = generate_request.model_copy(update=update)
     body = generate_request.model_dump()
     # vLLM serializes SamplingParams without fields equal to their defaults, and a
     # producer fills a missing max_tokens from max_model_len: an explicit 16 (the

@@ -1,0 +1,83 @@
+"""A non-streaming answer with stop strings, collected from a streamed producer response.
+
+The producer does not know the stop strings (the filter holds them, see
+``render``). Asked for one JSON answer, it would generate up to ``max_tokens``
+before the filter could cut the text at the stop string: GPU time, and a
+client waiting for an answer that ended long before. So such a request is
+streamed from the producer (``render.producer_body``); its events go, one
+engine step at a time as in vLLM's engine, into the same output state as a
+non-streaming answer's; once every choice has finished (at a stop string or
+at the producer) the producer request is aborted and the client gets the one
+JSON object vLLM would send. Its status went out with the producer's headers
+(200): an error that comes mid-stream reaches the client as an OpenAI error
+object with that status.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .derender import check_output_mode, choice_outputs, producer_error_event
+from .errors import HTTPError
+from .model import Model
+from .outputs import ProducerError
+from .render import Rendered
+from .sse import SSEDecoder, SSEError
+
+
+class Collected:
+    """Producer SSE events -> the generation's final ``RequestOutput`` (``final``)."""
+
+    def __init__(self, model: Model, rendered: Rendered) -> None:
+        self.outputs = choice_outputs(model, rendered, stream=False)
+        self.final: Any = None
+        self.producer_request_id: str | None = None
+        self.completion_tokens = 0
+        self.finished = False  # the client's answer was produced (the final JSON or an error)
+        self._sse = SSEDecoder()
+
+    def feed(self, chunk: bytes, end: bool) -> bool:
+        """One body chunk; True if the producer must be aborted now (a stop string ended the generation).
+
+        Raises ``HTTPError``: 502 for a stream the filter cannot use, the
+        producer's own status for an error event.
+        """
+        try:
+            payloads = self._sse.feed(chunk) + (self._sse.close() if end else [])
+        except SSEError as exc:
+            for payload in exc.payloads:
+                self._event(payload)
+            raise HTTPError(502, f"invalid producer stream: {exc}") from None
+        abort = False
+        for payload in payloads:
+            abort |= self._event(payload)
+            if self.outputs.done:
+                break
+        return abort
+
+    def _event(self, payload: bytes) -> bool:
+        if payload == b"[DONE]" or self.outputs.done:
+            return False
+        try:
+            event = json.loads(payload)
+            if isinstance(event, dict) and "error" in event:
+                raise producer_error_event(event["error"])
+            check_output_mode(event)
+            if self.producer_request_id is None:
+                self.producer_request_id = event.get("request_id")
+            abort = False
+            for choice in event.get("choices") or ():
+                finals, stop = self.outputs.step(choice)
+                self.completion_tokens += len(choice.get("token_ids") or ())
+                if finals:
+                    self.final = finals[-1]
+                abort |= stop
+        except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+            raise HTTPError(502, f"invalid producer event: {exc}") from None
+        return abort
+
+    def close(self) -> None:
+        """Nothing runs between events: nothing to shut."""
+        self.finished = True
+
