@@ -78,6 +78,18 @@ def test_non_streaming(sim, client, script, qwen3_tokenizer):
     assert r.usage.prompt_tokens == len(prompt)
 
 
+def test_non_streaming_with_a_stop_string_through_the_sdk(sim, client, script, qwen3_tokenizer):
+    """Streamed from the producer (the filter stops it there), one chat.completion to the client."""
+    ids = encode(qwen3_tokenizer, "The answer is 42. END and then much more text that never arrives")
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    r = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}], stop=["END"])
+    assert sim.sim_requests()[-1]["stream"] is True
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.content == "The answer is 42. "
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == len(sim.sim_requests()[-1]["token_ids"])
+
+
 def test_framing_role_usage_and_done(sim, script, qwen3_tokenizer):
     ids = encode(qwen3_tokenizer, "Hello there")
     script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
