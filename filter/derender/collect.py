@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .derender import check_output_mode, choice_outputs, producer_error_event
+from .derender import choice_outputs, producer_error_event, step_event
 from .errors import HTTPError
 from .model import Model
 from .outputs import ProducerError
@@ -63,16 +63,12 @@ class Collected:
             event = json.loads(payload)
             if isinstance(event, dict) and "error" in event:
                 raise producer_error_event(event["error"])
-            check_output_mode(event)
+            finals, abort, tokens = step_event(self.outputs, event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
-            abort = False
-            for choice in event.get("choices") or ():
-                finals, stop = self.outputs.step(choice)
-                self.completion_tokens += len(choice.get("token_ids") or ())
-                if finals:
-                    self.final = finals[-1]
-                abort |= stop
+            self.completion_tokens += tokens
+            if finals:
+                self.final = finals[-1]
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise HTTPError(502, f"invalid producer event: {exc}") from None
         return abort

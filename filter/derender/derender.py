@@ -108,15 +108,11 @@ class ChatStream:
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
                 return self._fail_with_producer_error(event["error"]), False
-            check_output_mode(event)
+            outs, abort, tokens = step_event(self.outputs, event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
-            abort = False
-            for choice in event.get("choices") or ():
-                outs, stop = self.outputs.step(choice)
-                self.completion_tokens += len(choice.get("token_ids") or ())
-                self._queue.extend(outs)
-                abort |= stop
+            self.completion_tokens += tokens
+            self._queue.extend(outs)
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
         if self.outputs.done:
@@ -199,6 +195,19 @@ def _shut(awaitable: Any) -> None:
         awaitable.throw(_Shut)
     except (_Shut, StopIteration, StopAsyncIteration, RuntimeError):
         pass
+
+
+def step_event(outputs: ChoiceOutputs, event: dict[str, Any]) -> tuple[list[Any], bool, int]:
+    """One producer token event into ``outputs``: (its ``RequestOutput``s, abort the producer now?, tokens)."""
+    check_output_mode(event)
+    results: list[Any] = []
+    abort, tokens = False, 0
+    for choice in event.get("choices") or ():
+        outs, stop = outputs.step(choice)
+        tokens += len(choice.get("token_ids") or ())
+        results.extend(outs)
+        abort |= stop
+    return results, abort, tokens
 
 
 def producer_error_event(error: Any) -> HTTPError:
