@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from . import logs, metrics
 from .collect import Collected
-from .derender import ChatStream, chat_completion, chat_completion_of
-from .errors import HTTPError, error_body, from_exception
+from .derender import ChatStream, chat_completion, choice_outputs, final_output
+from .errors import INCOMPLETE, HTTPError, error_body, from_exception
 from .model import Model
 from .producer import GENERATE_PATH, Producer
 from .render import Rendered, render_chat
@@ -26,8 +26,6 @@ from .sse import SSEDecoder, SSEError
 from .stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.chat")
-
-INCOMPLETE = "the producer's stream ended before the generation finished"
 
 
 @dataclass
@@ -54,8 +52,7 @@ class ChatExchange:
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
     stream_class = ChatStream
-    full_response = staticmethod(chat_completion)
-    full_response_of = staticmethod(chat_completion_of)  # from the final output (``Collected``)
+    full_response = staticmethod(chat_completion)  # the final output -> the one JSON answer
     endpoint = "chat"
 
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
@@ -199,30 +196,41 @@ class ChatExchange:
         try:
             if collected.feed(chunk, end):
                 self._abort("stop string")
-            if collected.final is None:
-                if not end:
-                    return b""
-                raise HTTPError(502, INCOMPLETE)
-            out = await self.full_response_of(self.model, self.rendered, collected.final)
-        except HTTPError as exc:
-            if exc.message == INCOMPLETE:
-                self._failed(metrics.producer_error, "incomplete")
-            elif exc.status == 502:
-                self._failed(metrics.parser_error, "response")
+            if collected.final is not None:
+                out = await self.full_response(self.model, self.rendered, collected.final)
+            elif not end:
+                return b""
             else:
-                self._failed(metrics.producer_error, "error")
+                self._failed(metrics.producer_error, "incomplete")
+                out = error_body(502, INCOMPLETE)
+        except HTTPError as exc:
+            out = self._answer_failed(exc).body()
             if not end:
                 self._abort("stream failed")
-            out = exc.body()
-        except Exception:  # a bug must end this exchange with an error, never the gRPC stream
-            log.exception("response %s failed", self.rendered.request_id)
-            self._failed(metrics.parser_error, "response")
+        except Exception as exc:
+            out = self._answer_failed(exc).body()
             self._abort("filter error")
-            out = error_body(500, "internal error in the filter while translating the response")
         collected.finished = True
         if self._sent is not None:
             self._sent.append(out)
         return out
+
+    def _answer_failed(self, exc: Exception) -> HTTPError:
+        """A non-streaming answer could not be made: count why; the error the client gets.
+
+        Call it while handling ``exc``. 502: the producer's output was not usable;
+        another ``HTTPError``: the producer reported it; anything else is a bug,
+        which must end the exchange with an error, never the gRPC stream.
+        """
+        if isinstance(exc, HTTPError):
+            if exc.status == 502:
+                self._failed(metrics.parser_error, "response")
+            else:
+                self._failed(metrics.producer_error, "error")
+            return exc
+        log.exception("response %s failed", self.rendered.request_id if self.rendered else None)
+        self._failed(metrics.parser_error, "response")
+        return HTTPError(500, "internal error in the filter while translating the response")
 
     def _stalled(self) -> None:
         """The producer went quiet: abort its request; its last words end the client's stream."""
@@ -257,20 +265,12 @@ class ChatExchange:
         if self.status != 200:
             return producer_error(self.status, body), None
         try:
-            out = await self.full_response(self.model, self.rendered, body)
-        except HTTPError as exc:
-            # 502: the body was not a usable producer response; else the producer reported an error.
-            if exc.status == 502:
-                self._failed(metrics.parser_error, "response")
-            else:
-                self._failed(metrics.producer_error, "error")
-            self.client_status = exc.status
-            return exc.body(), exc.status
-        except Exception:  # a bug must end this exchange with an error, never the gRPC stream
-            log.exception("response %s failed", self.rendered.request_id)
-            self._failed(metrics.parser_error, "response")
-            self.client_status = 500
-            return error_body(500, "internal error in the filter while translating the response"), 500
+            final = final_output(choice_outputs(self.model, self.rendered, stream=False), body)
+            out = await self.full_response(self.model, self.rendered, final)
+        except Exception as exc:
+            error = self._answer_failed(exc)
+            self.client_status = error.status
+            return error.body(), error.status
         self._completion_tokens = _token_count(body)
         if self._sent is not None:
             self._sent.append(out)

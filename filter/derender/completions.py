@@ -24,7 +24,7 @@ from typing import Any
 
 
 from .chat import ChatExchange
-from .derender import ChatStream, choice_outputs, final_output
+from .derender import ChatStream
 from .errors import HTTPError, dumps, from_exception, parse_body
 from .model import Model, _EngineStandIn
 from .render import Rendered, producer_body
@@ -119,13 +119,7 @@ class CompletionStream(ChatStream):
             yield 0, output
 
 
-async def completion_response(model: Model, rendered: RenderedCompletion, body: bytes) -> bytes:
-    """A non-streaming producer response -> the ``text_completion`` JSON vLLM would send."""
-    outputs = choice_outputs(model, rendered, stream=False)
-    return await completion_of(model, rendered, final_output(outputs, body))
-
-
-async def completion_of(model: Model, rendered: RenderedCompletion, final: Any) -> bytes:
+async def completion_response(model: Model, rendered: RenderedCompletion, final: Any) -> bytes:
     """The generation's final ``RequestOutput`` -> the ``text_completion`` JSON, by vLLM's own code."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
@@ -153,5 +147,4 @@ class CompletionExchange(ChatExchange):
     render = staticmethod(render_completion)
     stream_class = CompletionStream
     full_response = staticmethod(completion_response)
-    full_response_of = staticmethod(completion_of)
     endpoint = "completion"

@@ -15,7 +15,7 @@ import json
 from collections import deque
 from typing import Any
 
-from .errors import HTTPError, dumps, error_event
+from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
 from .render import Rendered
@@ -124,7 +124,7 @@ class ChatStream:
         if self.finished:
             return self._take_early()
         if not self.outputs.done:
-            return self.fail(502, "the producer's stream ended before the generation finished")
+            return self.fail(502, INCOMPLETE)
         self._ended = True
         return self._pump()
 
@@ -228,20 +228,10 @@ def check_output_mode(event: Any) -> None:
         raise ProducerError(f"producer sent output_mode {mode!r}; the filter needs 'tokens'")
 
 
-async def chat_completion(model: Model, rendered: Rendered, producer_body: bytes) -> bytes:
-    """A non-streaming producer response -> the ``chat.completion`` JSON vLLM would send."""
-    outputs = choice_outputs(model, rendered, stream=False)
-    return await chat_completion_of(model, rendered, final_output(outputs, producer_body))
-
-
 def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
     """The one final ``RequestOutput`` of a non-streaming producer response."""
     try:
-        response = json.loads(producer_body)
-        check_output_mode(response)
-        finals = []
-        for choice in response.get("choices") or ():
-            finals.extend(outputs.step(choice)[0])
+        finals, _, _ = step_event(outputs, json.loads(producer_body))
     except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise HTTPError(502, f"invalid producer response: {exc}") from None
     if not outputs.done or len(finals) != 1:
@@ -249,7 +239,7 @@ def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
     return finals[0]
 
 
-async def chat_completion_of(model: Model, rendered: Rendered, final: Any) -> bytes:
+async def chat_completion(model: Model, rendered: Rendered, final: Any) -> bytes:
     """The generation's final ``RequestOutput`` -> the ``chat.completion`` JSON, by vLLM's full generator."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 

@@ -11,6 +11,9 @@ from pydantic import ValidationError
 
 T = TypeVar("T")
 
+# A stream that ended before every choice finished (the client gets it as a 502).
+INCOMPLETE = "the producer's stream ended before the generation finished"
+
 
 class HTTPError(Exception):
     """An error the client gets as ``{"error": {...}}`` with an HTTP status."""

@@ -43,7 +43,7 @@ import aiohttp
 import orjson
 
 from .chat import ResponseStart, Rewrite, producer_error, record
-from .errors import HTTPError, dumps, error_body, error_event
+from .errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from .producer import GENERATE_PATH, Producer
 from .sse import SSEDecoder
 from .stall import StallWatch, message as stall_message
@@ -352,7 +352,7 @@ class TierExchange:
             return b""
         if len(stream.done) < stream.n:
             self._failed("producer_incomplete")
-            return self._fail(502, "the producer's stream ended before the generation finished")
+            return self._fail(502, INCOMPLETE)
         stream.finished = True
         return DONE
 
