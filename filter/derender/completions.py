@@ -23,7 +23,6 @@ from types import SimpleNamespace
 from typing import Any
 
 
-from . import inline_render
 from .chat import ChatExchange
 from .derender import ChatStream
 from .errors import HTTPError, dumps, from_exception, parse_body
@@ -71,8 +70,7 @@ async def render_completion(model: Model, raw: bytes, x_request_id: str | None) 
     request = parse_body(lambda body: CompletionRequest.model_validate(body, from_attributes=True), raw)
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
     try:
-        with inline_render.small(raw):
-            result = await model.serving_render.render_completion_request(request, SimpleNamespace(headers=headers))
+        result = await model.serving_render.render_completion_request(request, SimpleNamespace(headers=headers))
     except Exception as exc:  # vLLM raises for some bad input instead of returning
         raise from_exception(exc) from None
     if not isinstance(result, list):
@@ -84,8 +82,7 @@ async def render_completion(model: Model, raw: bytes, x_request_id: str | None) 
     generate = result[0]
     engine_input: dict[str, Any] = {"type": "token", "prompt_token_ids": list(generate.token_ids)}
     if request.echo:  # the prompt text as the coupled server's renderer gives it
-        with inline_render.small(raw):
-            engine_input = dict((await model.online_renderer.render_completion(request, skip_mm_cache=True))[0])
+        engine_input = dict((await model.online_renderer.render_completion(request, skip_mm_cache=True))[0])
     return RenderedCompletion(
         request=request,
         request_id=generate.request_id,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import inline_render, longprompt
+from . import longprompt
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -131,7 +131,6 @@ class Model:
             default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
         )
         self.long_prompts = longprompt.install(self.renderer)
-        inline_render.install(self.renderer)  # after longprompt: it wraps what that installed
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
 

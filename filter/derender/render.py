@@ -19,7 +19,6 @@ from typing import Any
 
 import orjson
 
-from . import inline_render
 from .errors import HTTPError, from_exception, parse_body
 from .model import Model
 
@@ -55,16 +54,14 @@ async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Ren
     request = parse_chat_request(model, raw)
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
     try:
-        with inline_render.small(raw):
-            result = await model.serving_render.render_chat_request(request, SimpleNamespace(headers=headers))
+        result = await model.serving_render.render_chat_request(request, SimpleNamespace(headers=headers))
     except Exception as exc:  # vLLM raises for some bad input instead of returning
         raise from_exception(exc) from None
     if not hasattr(result, "token_ids"):
         raise HTTPError.from_vllm(result)
     conversation: list[Any] = []
     if request.echo:  # the coupled server echoes the last message from its conversation
-        with inline_render.small(raw):
-            conversation = (await model.online_renderer.render_chat(request))[0]
+        conversation = (await model.online_renderer.render_chat(request))[0]
     return Rendered(
         request=request,
         request_id=result.request_id,
