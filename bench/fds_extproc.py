@@ -26,7 +26,7 @@ from derender.errors import HTTPError
 from derender.extproc import ExternalProcessor, _header_map, immediate
 from derender.health import add_health
 from derender.model import Model
-from derender.producer import Producer
+from derender.producer import UPSTREAM_HEADER, Producer
 from derender.routes import Reply, Router
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -97,7 +97,7 @@ class FullDuplexProcessor(ExternalProcessor):
                     await context.write(self._request_rewrite(rewrite))
                 elif kind == "response_headers" and exchange is not None:
                     headers = _header_map(message.response_headers)
-                    start = exchange.response_headers(int(headers.get(":status", "0") or 0))
+                    start = exchange.response_headers(int(headers.get(":status", "0") or 0), headers.get(UPSTREAM_HEADER))
                     complete = message.response_headers.end_of_stream
                     await context.write(self._response_start(start))
                     if exchange.stream is not None:

@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from derender import envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,12 +131,21 @@ def start_filter(model_flags: list[str], producer: str, port: int | None = None)
     return flt, port
 
 
-def start_envoy(filter_port: int, producer: str, **values) -> tuple[Proc, str]:
+def start_envoy(filter_port: int, producer: str, *more_producers: str, **values) -> tuple[Proc, str]:
+    """Envoy with ``envoy/local.yaml``; ``more_producers``: further replicas in the producer cluster."""
     port = free_port()
     host, pport = envoy_config.split_url(producer)
     cfg = envoy_config.render(
         LISTEN_PORT=port, ADMIN_PORT=free_port(), FILTER_PORT=filter_port, PRODUCER_HOST=host, PRODUCER_PORT=pport, **values
     )
+    if more_producers:
+        config = yaml.safe_load(cfg)
+        cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "producer")
+        for url in more_producers:
+            h, p = envoy_config.split_url(url)
+            endpoint = {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"].append(endpoint)
+        cfg = yaml.safe_dump(config, sort_keys=False)
     path = Path(tempfile.mkdtemp(prefix="derender-envoy-")) / "envoy.yaml"
     path.write_text(cfg)
     envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn", "--disable-hot-restart"]).start()

@@ -12,6 +12,7 @@ misbehave at event ``fault_after`` for the requests that follow.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import time
 import httpx
 import psutil
 import pytest
-from stack import free_port, start_envoy, start_filter, wait_for
+from stack import free_port, http_get, http_post, start_envoy, start_filter, start_sim, wait_for
 
 IM_END = 151645
 RAW_MARKERS = (b'"output_mode"', b'"token_ids":[', b'"request_id":"generate-tokens')  # producer event fields
@@ -189,6 +190,88 @@ def test_non_streaming_answer_with_stop_strings_stops_the_producer(sim, script, 
     assert answer["choices"][0]["finish_reason"] == "stop" and answer["choices"][0]["stop_reason"] == "STOP"
     engine = "generate-tokens-" + answer["id"].removeprefix("chatcmpl-")
     wait_for(lambda: engine in sim.sim_aborted()[before:], what="the producer request to be aborted at the stop string")
+
+
+@pytest.fixture(scope="module")
+def two_replicas(plain_stack, qwen3_dir, script):
+    """One Envoy balancing its producer cluster over the stack's simulator and a second one, while the
+    filter's ``--producer`` names only the first: a load-balanced address, as the filter sees it."""
+    second, second_url = start_sim(qwen3_dir, "--mode", "script", "--script", str(script.path))
+    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, second_url)
+    yield base, second_url
+    envoy.stop()
+    second.stop()
+
+
+def test_an_abort_reaches_the_replica_that_runs_the_request(sim, script, qwen3_tokenizer, two_replicas):
+    """Stop strings abort the producer: each abort goes to the replica Envoy picked, not to --producer."""
+    base, second_url = two_replicas
+    replicas = {"first": sim.sim_url, "second": second_url}
+    ids = encode(qwen3_tokenizer, "one two three STOP " + "and more " * 300)
+    script.set({"index": 0, "token_ids": ids + [IM_END]})
+    for url in replicas.values():
+        assert http_post(url + "/sim/config", {"delay": 0.02})[0] == 200
+    received = lambda url: json.loads(http_get(url + "/sim/stats")[1])["received"]
+    aborted = lambda url: json.loads(http_get(url + "/sim/aborted")[1])
+    running = lambda url: json.loads(http_get(url + "/sim/stats")[1])["running"]
+    served = []
+    try:
+        for stream in (True, False, True, False):
+            before = {name: received(url) for name, url in replicas.items()}
+            r = httpx.post(base + "/v1/chat/completions", json=chat(stream=stream, stop=["STOP"]), timeout=60)
+            assert r.status_code == 200, r.text
+            assert "x-derender-upstream" not in r.headers  # the producer's address stays inside
+            events = events_of(r.content) if stream else [r.json()]
+            assert (text_of(events) if stream else events[0]["choices"][0]["message"]["content"]) == "one two three "
+            name = next(n for n, url in replicas.items() if received(url) > before[n])
+            other = next(url for n, url in replicas.items() if n != name)
+            engine = engine_id(events)
+            wait_for(lambda: engine in aborted(replicas[name]) and engine not in running(replicas[name]),
+                     what=f"the abort of {engine} at the {name} replica, which runs it")
+            assert engine not in aborted(other)
+            served.append(name)
+    finally:
+        for url in replicas.values():
+            http_post(url + "/sim/config", {"delay": 0.0})
+    assert set(served) == {"first", "second"}, served  # Envoy's round robin used both
+
+
+def test_an_abort_falls_back_to_the_configured_producers(sim, two_replicas):
+    """A replica that cannot be reached (or no replica named): the abort goes to --producer, or to every
+    producer of a cluster; a reachable replica gets it alone."""
+    from derender.producer import Producer
+    from derender.routes import ClusterProducers
+
+    _, second_url = two_replicas
+    gone = f"127.0.0.1:{free_port()}"
+
+    async def aborts() -> list[bool]:
+        one, cluster = Producer(sim.sim_url), ClusterProducers([sim.sim_url, second_url])
+        try:
+            return [
+                await one.abort("generate-tokens-one-fallback", "test", gone),
+                await cluster.abort("generate-tokens-all-fallback", "test", gone),
+                await cluster.abort("generate-tokens-all-unknown", "test", None),
+                await cluster.abort("generate-tokens-exact", "test", second_url.removeprefix("http://")),
+            ]
+        finally:
+            for producer in (one, *cluster.producers):
+                await producer.close()
+
+    assert asyncio.run(aborts()) == [True] * 4
+    first, second = (json.loads(http_get(url + "/sim/aborted")[1]) for url in (sim.sim_url, second_url))
+    assert "generate-tokens-one-fallback" in first and "generate-tokens-one-fallback" not in second
+    assert all(i in first and i in second for i in ("generate-tokens-all-fallback", "generate-tokens-all-unknown"))
+    assert "generate-tokens-exact" in second and "generate-tokens-exact" not in first
+
+
+def test_replica_address_from_envoy():
+    from derender.producer import replica_url
+
+    assert replica_url("https://producers.svc:8000", "10.1.2.3:8000") == "https://10.1.2.3:8000"
+    assert replica_url("http://producers:8000", "[fd00::5]:8000") == "http://[fd00::5]:8000"
+    for bad in (None, "", "-", "10.1.2.3", "producer:8000", "10.1.2.3:8000/path", "10.1.2.3:8000 x"):
+        assert replica_url("http://producers:8000", bad) is None, bad
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ class Producer:
     def __init__(self) -> None:
         self.aborted: list[str] = []
 
-    def abort_soon(self, request_id: str, why: str) -> None:
+    def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
         self.aborted.append(request_id)
 
 

@@ -67,6 +67,7 @@ class ChatExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self.client_status = 0  # what the client got (self.status is the producer's)
         self.error: str | None = None  # the first failure, as metrics and the request log name it
         self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
@@ -115,7 +116,9 @@ class ChatExchange:
         self._ready = ready
 
     # -- response --------------------------------------------------------------
-    def response_headers(self, status: int) -> ResponseStart:
+    def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
+        """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
+        self._upstream = upstream
         assert self.rendered is not None
         self._headers_at = time.monotonic() - self._started
         self.status = self.client_status = status
@@ -326,7 +329,7 @@ class ChatExchange:
         request_id = (self.stream and self.stream.producer_request_id) or producer_request_id(
             self.x_request_id, self.rendered.request_id
         )
-        self.producer.abort_soon(request_id, why)
+        self.producer.abort_soon(request_id, why, self._upstream)
 
 
 def _ms(seconds: float | None) -> float | None:

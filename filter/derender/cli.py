@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9002, help="gRPC port Envoy connects to")
-    serve.add_argument("--producer", default="http://127.0.0.1:8100", help="producer base URL (for aborts)")
+    serve.add_argument("--producer", default="http://127.0.0.1:8100",
+                       help="producer base URL (for aborts when Envoy does not name the replica it reached)")
     serve.add_argument("--config", default=None, metavar="FILE", help="YAML file listing several models (replaces the model flags)")
     serve.add_argument(
         "--render-url",

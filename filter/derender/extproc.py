@@ -29,7 +29,7 @@ from .chat import ChatExchange, ResponseStart, Rewrite
 from .errors import HTTPError, from_exception
 from .health import add_health
 from .model import Model
-from .producer import Producer
+from .producer import UPSTREAM_HEADER, Producer
 from .routes import Reply, Router
 from .warmup import warm_up
 
@@ -154,7 +154,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_headers" and exchange is not None:
                     headers = _header_map(message.response_headers)
                     status = int(headers.get(":status", "0") or 0)
-                    start = exchange.response_headers(status)
+                    start = exchange.response_headers(status, headers.get(UPSTREAM_HEADER))
                     complete = message.response_headers.end_of_stream and not start.buffer
                     yield self._response_start(start)
                 elif kind == "response_body" and exchange is not None:
@@ -207,7 +207,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _response_start(start: ResponseStart) -> pb.ProcessingResponse:
         response = pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=_mutation(start.set_headers, start.remove_headers))
+                response=pb.CommonResponse(
+                    header_mutation=_mutation(start.set_headers, [*start.remove_headers, UPSTREAM_HEADER])
+                )
             )
         )
         if start.buffer:

@@ -1,9 +1,20 @@
-"""The filter's own calls to a producer: aborting requests it no longer needs."""
+"""The filter's own calls to a producer: aborting requests it no longer needs.
+
+Behind one load-balanced address (a Kubernetes Service, a DNS name with several
+replicas) an abort sent to that address can reach a replica that is not running
+the request. So the Envoy configs add ``UPSTREAM_HEADER`` to each producer response:
+the address Envoy connected to for this request (``%UPSTREAM_REMOTE_ADDRESS%``).
+Once the response has started, an abort goes there; if that replica cannot be
+reached, or before the response started, it goes to the configured URL.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from typing import Any, Coroutine
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -11,6 +22,16 @@ log = logging.getLogger("derender.producer")
 
 ABORT_PATH = "/inference/v1/abort_requests"
 GENERATE_PATH = "/inference/v1/generate"
+UPSTREAM_HEADER = "x-derender-upstream"  # set by Envoy on producer responses; never sent to the client
+
+_ADDRESS = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.]+\]):\d{1,5}")
+
+
+def replica_url(base_url: str, upstream: str | None) -> str | None:
+    """``http://IP:PORT`` of the replica Envoy reached (the scheme of ``base_url``), or None."""
+    if not upstream or not _ADDRESS.fullmatch(upstream):
+        return None
+    return f"{urlsplit(base_url).scheme or 'http'}://{upstream}"
 
 
 class Producer:
@@ -26,20 +47,34 @@ class Producer:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         return self._session
 
-    def abort_soon(self, request_id: str, why: str) -> None:
-        """Fire and forget ``POST /inference/v1/abort_requests`` for one request."""
-        task = asyncio.get_running_loop().create_task(self.abort(request_id, why))
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` in the background; ``close`` waits for it."""
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def abort(self, request_id: str, why: str) -> bool:
+    def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
+        """Fire and forget ``POST /inference/v1/abort_requests`` for one request."""
+        self.spawn(self.abort(request_id, why, upstream))
+
+    async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
+        """At the replica Envoy reached (``upstream``) if known and reachable, else at ``url``."""
+        if await self.abort_at_replica(request_id, why, upstream):
+            return True
+        return await self.post_abort(self.url, request_id, why)
+
+    async def abort_at_replica(self, request_id: str, why: str, upstream: str | None) -> bool:
+        url = replica_url(self.url, upstream)
+        return url is not None and await self.post_abort(url, request_id, why)
+
+    async def post_abort(self, url: str, request_id: str, why: str) -> bool:
         try:
-            async with self._client().post(self.url + ABORT_PATH, json={"request_ids": [request_id]}) as r:
+            async with self._client().post(url + ABORT_PATH, json={"request_ids": [request_id]}) as r:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning("abort of %s at %s failed: %s", request_id, self.url, exc)
+            log.warning("abort of %s at %s failed: %s", request_id, url, exc)
             return False
-        log.info("aborted producer request %s (%s): %s", request_id, why, "ok" if ok else "refused")
+        log.info("aborted producer request %s (%s) at %s: %s", request_id, why, url, "ok" if ok else "refused")
         return ok
 
     async def close(self) -> None:

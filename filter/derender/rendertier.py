@@ -175,6 +175,7 @@ class TierExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self._watch: StallWatch | None = None  # streaming
 
     @property
@@ -222,7 +223,9 @@ class TierExchange:
         return Rewrite(body=orjson.dumps(generate), path=GENERATE_PATH, set_headers={"content-type": "application/json"})
 
     # -- response --------------------------------------------------------------
-    def response_headers(self, status: int) -> ResponseStart:
+    def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
+        """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
+        self._upstream = upstream
         self.status = self.client_status = status
         if status != 200:
             self._failed("producer_status")
@@ -445,7 +448,7 @@ class TierExchange:
         request_id = (self.stream and self.stream.producer_request_id) or (
             f"generate-tokens-{self.x_request_id or self.request_id}"
         )
-        self.producer.abort_soon(request_id, why)
+        self.producer.abort_soon(request_id, why, self._upstream)
 
 
 class TierPassThrough:

@@ -13,6 +13,7 @@ once (a ``Reply``), without a producer round trip.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -52,15 +53,21 @@ def model_not_found(name: str, aliases: list[str]) -> HTTPError:
 
 
 class ClusterProducers:
-    """The producers of one Envoy cluster. Envoy picked one for each request and the
-    filter does not know which, so an abort goes to all of them (vLLM ignores unknown ids)."""
+    """The producers of one Envoy cluster. Envoy says which one it picked once the response
+    has started (``UPSTREAM_HEADER``); before that, or if that one cannot be reached, an
+    abort goes to all of them (vLLM ignores unknown ids)."""
 
     def __init__(self, urls: list[str] | tuple[str, ...]) -> None:
         self.producers = [Producer(url) for url in urls]
 
-    def abort_soon(self, request_id: str, why: str) -> None:
-        for producer in self.producers:
-            producer.abort_soon(request_id, why)
+    def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
+        self.producers[0].spawn(self.abort(request_id, why, upstream))
+
+    async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
+        if await self.producers[0].abort_at_replica(request_id, why, upstream):
+            return True
+        sent = await asyncio.gather(*(p.post_abort(p.url, request_id, why) for p in self.producers))
+        return any(sent)
 
 
 def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
@@ -146,8 +153,8 @@ class ModelExchange:
             result.set_headers[CLUSTER_HEADER] = backend.cluster
         return result
 
-    def response_headers(self, status: int) -> Any:
-        return self.inner.response_headers(status)
+    def response_headers(self, status: int, upstream: str | None = None) -> Any:
+        return self.inner.response_headers(status, upstream)
 
     def response_chunk(self, chunk: bytes, end: bool) -> Any:
         return self.inner.response_chunk(chunk, end)
