@@ -3,80 +3,27 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import yaml
 from derender import envoy_config
+from derender.children import Child, free_port, http_ok, tcp_open  # noqa: F401 (the bench's helpers)
 
 BENCH = Path(__file__).resolve().parent
 LOGS = Path(tempfile.gettempdir()) / "derender-bench-logs"
 PYTHON = sys.executable
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Proc(Child):
+    """A process of the benchmark (and the workers it forks), its output in a log file; CPU time."""
 
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def tcp_open(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-@dataclass
-class Proc:
-    """One child process (and the workers it forks), logging to a file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen | None = None
-    log: Path | None = None
-
-    def start(self) -> Proc:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        self.log = LOGS / f"{self.name}-{os.getpid()}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        with open(self.log, "wb") as out:
-            self.popen = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
-            )
-        return self
-
-    def wait(self, ready, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; see {self.log}")
-            if ready():
-                return
-            time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log}")
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        super().__init__(name, argv, env, log=LOGS / f"{name}-{os.getpid()}.log")
 
     def tree(self) -> list[psutil.Process]:
         try:
@@ -93,18 +40,6 @@ class Proc:
         """The processes doing the work: the forked workers, else the process itself."""
         tree = self.tree()
         return tree[1:] or tree
-
-    def stop(self) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        try:
-            os.killpg(self.popen.pid, signal.SIGTERM)
-            self.popen.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
-        except ProcessLookupError:
-            pass
 
 
 def cpu_of(process: psutil.Process) -> float:

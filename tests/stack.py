@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,15 +15,12 @@ from pathlib import Path
 
 import yaml
 from derender import envoy_config
+from derender.children import Child, free_port
+from derender.children import http_ok as _ok
+from derender.children import tcp_open as _tcp
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = Path(os.environ.get("DERENDER_TEST_LOGS", tempfile.gettempdir())) / "derender-test-logs"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
@@ -56,61 +52,18 @@ def wait_for(check, what: str, timeout: float = 20.0):
     raise AssertionError(f"not seen within {timeout} s: {what}")
 
 
-def _ok(url: str) -> bool:
-    try:
-        return http_get(url, timeout=2)[0] == 200
-    except OSError:
-        return False
+class Proc(Child):
+    """A child process of a test, its output in a log file of its own under ``LOGS``."""
 
+    def __init__(self, name: str, argv: list[str]) -> None:
+        super().__init__(name, argv, log=LOGS / f"{name}-{os.getpid()}-{time.time_ns()}.log")
 
-def _tcp(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.popen
 
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-
-    def start(self) -> "Proc":
-        LOGS.mkdir(parents=True, exist_ok=True)
-        self.log = LOGS / f"{self.name}-{os.getpid()}-{time.time_ns()}.log"
-        out = open(self.log, "wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        return self
-
-    def wait(self, check, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.tail()}")
-            if check():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready in {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 60) -> str:
-        if self.log is None or not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        super().stop(sig, timeout)
 
 
 DERENDER = [sys.executable, "-m", "derender.cli"]

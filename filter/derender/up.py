@@ -3,34 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import http.client
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from . import envoy_config, health
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http_ok(host: str, port: int, path: str) -> bool:
-    try:
-        conn = http.client.HTTPConnection(host, port, timeout=2)
-        conn.request("GET", path)
-        ok = conn.getresponse().status == 200
-        conn.close()
-        return ok
-    except OSError:
-        return False
+from .children import Child, free_port, http_ok
 
 
 class _Stop(Exception):
@@ -38,44 +18,26 @@ class _Stop(Exception):
 
 
 class Stack:
-    """Child processes started in order and stopped in reverse order."""
+    """Child processes started in order and stopped in reverse order (their output: our stderr)."""
 
     def __init__(self) -> None:
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        # Children log to stderr: stdout carries only the "ready" line.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
-        self.children.append((name, proc))
-        return proc
-
-    def wait_until(self, name: str, check, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        proc = dict(self.children)[name]
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} while starting")
-            if check():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} was not ready after {timeout:.0f} s")
+    def start(self, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv).start()
+        self.children.append(child)
+        return child
 
     def failed(self) -> str | None:
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode}"
+        for child in self.children:
+            code = child.exited()
+            if code is not None:
+                return f"{child.name} exited with code {code}"
         return None
 
     def stop(self) -> None:
-        for _, proc in reversed(self.children):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc in reversed(self.children):
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        for child in reversed(self.children):
+            child.stop()
 
 
 def model_flags(args: argparse.Namespace) -> list[str]:
@@ -121,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         producer = args.producer or (entries[0].producer_url if entries else None)
         if producer is None:
             sim_port = free_port()
-            stack.start("simulator", [*derender, "sim", "--model", args.model, "--port", str(sim_port), *args.sim_arg])
-            stack.wait_until("simulator", lambda: _http_ok("127.0.0.1", sim_port, "/health"), 60)
+            sim = stack.start("simulator", [*derender, "sim", "--model", args.model, "--port", str(sim_port), *args.sim_arg])
+            sim.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 60)
             producer = f"http://127.0.0.1:{sim_port}"
         producer_host, producer_port = envoy_config.split_url(producer)
 
@@ -130,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
         metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
-        stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics, *keys])
-        stack.wait_until("filter", lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
+        flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics, *keys])
+        flt.wait(lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
 
         config = envoy_config.render(
             "multi.yaml" if entries else "local.yaml",
@@ -144,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
         )
         config_file = Path(tempfile.mkdtemp(prefix="derender-")) / "envoy.yaml"
         config_file.write_text(config)
-        stack.start(
+        envoy = stack.start(
             "envoy",
             [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"],
         )
-        stack.wait_until("envoy", lambda: _http_ok("127.0.0.1", args.port, "/health"), 30)
+        envoy.wait(lambda: http_ok(f"http://127.0.0.1:{args.port}/health"), 30)
         print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 (producer {producer})", flush=True)
         while True:
             problem = stack.failed()

@@ -1,0 +1,114 @@
+"""Child processes on loopback: started in a session of their own, awaited until ready, stopped whole.
+
+``derender up`` runs the simulator, the filter and Envoy as ``Child``ren writing to its
+stderr; the tests and the benchmark start the same programs the same way, each with its
+own log file.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlsplit
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tcp_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    """``GET url`` answers 200 (straight to the address: no proxy from the environment)."""
+    parts = urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=2)
+        try:
+            conn.request("GET", parts.path or "/")
+            return conn.getresponse().status == 200
+        finally:
+            conn.close()
+    except (OSError, http.client.HTTPException):
+        return False
+
+
+class Child:
+    """One child process (and whatever it forks): its output to ``log``, or to this process's stderr."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env or {}
+        self.log = log
+        self.popen: subprocess.Popen | None = None
+
+    def start(self) -> Child:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.log is None:
+            self.popen = self._spawn(sys.stderr, env)
+        else:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log, "wb") as out:
+                self.popen = self._spawn(out, env)
+        return self
+
+    def _spawn(self, out, env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def exited(self) -> int | None:
+        """The exit code once the process has ended, else None."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def wait(self, ready: Callable[[], object], timeout: float) -> None:
+        """Until ``ready()`` is true; RuntimeError if the process ends first or ``timeout`` s pass."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.exited()
+            if code is not None:
+                raise RuntimeError(f"{self.name} exited with code {code} while starting{self._log_end()}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s{self._log_end()}")
+
+    def tail(self, lines: int = 60) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def _log_end(self) -> str:
+        return f"; the end of {self.log}:\n{self.tail()}" if self.log is not None else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """``sig`` to the process group, then SIGKILL if it has not ended within ``timeout`` s."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+        except ProcessLookupError:
+            pass
