@@ -15,9 +15,7 @@ from pathlib import Path
 
 import yaml
 from derender import envoy_config
-from derender.children import Child, free_port
-from derender.children import http_ok as _ok
-from derender.children import tcp_open as _tcp
+from derender.children import Child, free_port, http_ok, tcp_open
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = Path(os.environ.get("DERENDER_TEST_LOGS", tempfile.gettempdir())) / "derender-test-logs"
@@ -73,14 +71,14 @@ def start_sim(model_dir: str, *flags: str) -> tuple[Proc, str]:
     port = free_port()
     sim = Proc("sim", [*DERENDER, "sim", "--model", str(model_dir), "--port", str(port), *flags]).start()
     url = f"http://127.0.0.1:{port}"
-    sim.wait(lambda: _ok(url + "/health"), 90)
+    sim.wait(lambda: http_ok(url + "/health"), 90)
     return sim, url
 
 
 def start_filter(model_flags: list[str], producer: str, port: int | None = None) -> tuple[Proc, int]:
     port = port or free_port()
     flt = Proc("filter", [*DERENDER, "serve", *model_flags, "--port", str(port), "--producer", producer]).start()
-    flt.wait(lambda: _tcp(port), 240)
+    flt.wait(lambda: tcp_open(port), 240)
     return flt, port
 
 
@@ -103,7 +101,7 @@ def start_envoy(filter_port: int, producer: str, *more_producers: str, **values)
     path.write_text(cfg)
     envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn", "--disable-hot-restart"]).start()
     base = f"http://127.0.0.1:{port}"
-    envoy.wait(lambda: _ok(base + "/health"), 60)
+    envoy.wait(lambda: http_ok(base + "/health"), 60)
     return envoy, base
 
 

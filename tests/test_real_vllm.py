@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from stack import ROOT, Proc, _ok, free_port, http_post, start_envoy, start_filter
+from stack import ROOT, Proc, free_port, http_ok, http_post, start_envoy, start_filter
 
 # Building the virtualenv on first use happens inside the first test's setup.
 pytestmark = pytest.mark.timeout(1500)
@@ -52,7 +52,7 @@ def engine(qwen3_dir):
     proc = Proc("vllm-cpu", [*argv, *MODEL_FLAGS, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait(lambda: _ok(url + "/health"), 600)
+        proc.wait(lambda: http_ok(url + "/health"), 600)
         yield proc, url
     finally:
         proc.stop()

@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 from parity_cases import ANSWERS, CASES, STOP_TEXT, Case, cases_for
 from parity_compare import assemble, id_shape
-from stack import DERENDER, Proc, _ok, _tcp, free_port, http_get, start_envoy, start_sim, wait_for
+from stack import DERENDER, Proc, free_port, http_get, http_ok, start_envoy, start_sim, tcp_open, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "8192", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
@@ -114,8 +114,8 @@ class Stacks:
         local = self._proc("filter", [*serve, "--model", qwen3_dir, *FLAGS, "--port", str(local_port)])
         tier = self._proc("filter-tier", [*serve, "--render-url", self.recorder.url, "--port", str(tier_port)])
         for proc, port in ((tier, tier_port), (local, local_port)):  # all of them load at once
-            proc.wait(lambda port=port: _tcp(port), 600)
-        render.wait(lambda: _ok(self.render_url + "/health"), 600)
+            proc.wait(lambda port=port: tcp_open(port), 600)
+        render.wait(lambda: http_ok(self.render_url + "/health"), 600)
         # Envoy waits up to MESSAGE_TIMEOUT for each ext_proc answer; this machine is shared.
         envoy, self.local = start_envoy(local_port, self.sim_url, MESSAGE_TIMEOUT="60s")
         self.procs.append(envoy)
@@ -435,7 +435,7 @@ def test_producer_stall_ends_the_tier_stream_with_an_error_event(stacks, answers
                                       "--render-url", stacks.recorder.url, "--port", str(port), "--stall-timeout", "1.5"]).start()
     envoy = None
     try:
-        tier.wait(lambda: _tcp(port), 120)
+        tier.wait(lambda: tcp_open(port), 120)
         envoy, base = start_envoy(port, stacks.sim_url, MESSAGE_TIMEOUT="60s")
         ids = answers.encode("alpha beta gamma delta epsilon zeta eta theta")
         stacks.script.set({"index": 0, "token_ids": ids + [151645]})

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from stack import DERENDER, Proc, _tcp, free_port, start_envoy, start_sim
+from stack import DERENDER, Proc, free_port, start_envoy, start_sim, tcp_open
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -37,7 +37,7 @@ def workers_stack(qwen3_dir):
     ).start()
     procs = [sim, flt]
     try:
-        flt.wait(lambda: _tcp(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
+        flt.wait(lambda: tcp_open(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
         envoy, base = start_envoy(port, sim_url)
         procs.append(envoy)
         yield flt, port, base
@@ -88,11 +88,11 @@ def test_sigterm_stops_supervisor_and_workers(qwen3_dir):
         [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2"],
     ).start()
     try:
-        flt.wait(lambda: _tcp(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
+        flt.wait(lambda: tcp_open(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
         workers = psutil.Process(flt.proc.pid).children()
         os.kill(flt.proc.pid, signal.SIGTERM)  # the supervisor alone, not the process group
         assert flt.proc.wait(timeout=30) == 0
         assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))
-        assert not _tcp(port)
+        assert not tcp_open(port)
     finally:
         flt.stop()
