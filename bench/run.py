@@ -379,9 +379,8 @@ class Bench:
                 "ours": statistics.median(ours),
                 "envoy": statistics.median(alone),
                 "vllm_render": statistics.median(render),
-                # The filter's own clock: its render, and its request headers to its first token.
+                # The filter's own clock: body in, producer request out.
                 "ours_render": statistics.median(line["render_ms"] for line in logged) / 1e3 if logged else None,
-                "ours_filter_ttft": statistics.median(line["ttft_ms"] for line in logged) / 1e3 if logged else None,
             }
             log(f"  prompt {prompt_tokens} tokens: TTFT ours {out[n]['ours'] * 1e3:.0f} ms, Envoy alone "
                 f"{out[n]['envoy'] * 1e3:.0f} ms, vLLM /render {out[n]['vllm_render'] * 1e3:.0f} ms")
