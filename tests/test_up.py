@@ -81,3 +81,47 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):
+    """A double Ctrl-C, or SIGTERM from make and a supervisor at once: signals that arrive while
+    `derender up` is already stopping its children must not break off the stop path."""
+    port = free_port()
+    up = subprocess.Popen(
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    children: list[psutil.Process] = []
+    try:
+        assert f"http://127.0.0.1:{port}/v1" in up.stdout.readline()
+        children = _children(up.pid)
+        names = {c.pid: " ".join(c.cmdline()) for c in children}
+        envoy = [c for c in children if c.name() == "envoy"]
+        assert envoy and any(" sim " in f" {n} " for n in names.values()), names
+        up.send_signal(signal.SIGINT)
+        # Envoy is stopped first: once it is gone, up is inside its stop path. From then on,
+        # more signals until up returns.
+        wait_for(lambda: not envoy[0].is_running() or envoy[0].status() == psutil.STATUS_ZOMBIE,
+                 "derender up to stop Envoy", timeout=30)
+        sent = 0
+        while up.poll() is None and sent < 2000:
+            up.send_signal((signal.SIGINT, signal.SIGTERM)[sent % 2])
+            sent += 1
+            try:
+                up.wait(timeout=0.01)
+            except subprocess.TimeoutExpired:
+                pass
+        assert up.wait(timeout=30) == 0
+        assert sent > 0
+        left = [names[c.pid] for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"left running after {sent} more signals: {left}"
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -289,7 +289,7 @@ async def _until_terminated(server: grpc.aio.Server, health, processor: External
 
     def on_sigterm() -> None:
         if terminated.is_set():
-            log.info("SIGTERM again: still draining %d open streams", processor.active)
+            log.debug("SIGTERM again: still draining %d open streams", processor.active)
         terminated.set()
 
     try:

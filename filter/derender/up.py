@@ -13,19 +13,43 @@ from . import envoy_config, health
 from .children import Child, free_port, http_ok
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 class _Stop(Exception):
-    """Ctrl-C or SIGTERM."""
+    """Ctrl-C, SIGTERM or SIGHUP: the first one; the ones after it change nothing."""
 
 
 class Stack:
-    """Child processes started in order and stopped in reverse order (their output: our stderr)."""
+    """Child processes started in order and stopped in reverse order (their output: our stderr).
+
+    The first stop signal interrupts ``run`` (``_Stop``), the ones after it change nothing:
+    a second Ctrl-C, or SIGTERM from make and from a supervisor, must not break off the stop
+    path and leave children running. A signal while a child is being started waits until
+    it is on the list, so that it is stopped too.
+    """
 
     def __init__(self) -> None:
         self.children: list[Child] = []
+        self.stopping = False
+        self._starting = False
+
+    def on_signal(self, signum, _frame) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if not self._starting:
+            raise _Stop()
 
     def start(self, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv).start()
-        self.children.append(child)
+        self._starting = True
+        try:
+            child = Child(name, argv).start()
+            self.children.append(child)
+        finally:
+            self._starting = False
+        if self.stopping:
+            raise _Stop()
         return child
 
     def failed(self) -> str | None:
@@ -36,6 +60,11 @@ class Stack:
         return None
 
     def stop(self) -> None:
+        # Signals from here on are already being obeyed: ignored (once ``run`` returns, the
+        # interpreter would otherwise take one with the default action).
+        self.stopping = True
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         for child in reversed(self.children):
             child.stop()
 
@@ -74,11 +103,8 @@ def run(args: argparse.Namespace) -> int:
     derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     stack = Stack()
 
-    def on_signal(signum, _frame):
-        raise _Stop()
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stack.on_signal)
     try:
         producer = args.producer or (entries[0].producer_url if entries else None)
         if producer is None:
