@@ -82,20 +82,23 @@ def start_filter(model_flags: list[str], producer: str, port: int | None = None)
     return flt, port
 
 
-def start_envoy(filter_port: int, producer: str, *more_producers: str, **values) -> tuple[Proc, str]:
-    """Envoy with ``envoy/local.yaml``; ``more_producers``: further replicas in the producer cluster."""
+def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None, **values) -> tuple[Proc, str]:
+    """Envoy with ``envoy/local.yaml``; ``more_producers``: further replicas in the producer cluster;
+    ``edit``: a function that changes the parsed config before Envoy gets it."""
     port = free_port()
     host, pport = envoy_config.split_url(producer)
     cfg = envoy_config.render(
         LISTEN_PORT=port, ADMIN_PORT=free_port(), FILTER_PORT=filter_port, PRODUCER_HOST=host, PRODUCER_PORT=pport, **values
     )
-    if more_producers:
+    if more_producers or edit:
         config = yaml.safe_load(cfg)
         cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "producer")
         for url in more_producers:
             h, p = envoy_config.split_url(url)
             endpoint = {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"].append(endpoint)
+        if edit:
+            edit(config)
         cfg = yaml.safe_dump(config, sort_keys=False)
     path = Path(tempfile.mkdtemp(prefix="derender-envoy-")) / "envoy.yaml"
     path.write_text(cfg)

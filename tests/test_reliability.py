@@ -16,8 +16,10 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -507,46 +509,83 @@ def uss(pid: int) -> int:
     return sum(p.memory_full_info().uss for p in [root, *root.children(recursive=True)])
 
 
+# Socket buffers of the slow-reader test: set, so the kernel does not grow them (autotuning lets
+# a loopback receive buffer grow to tcp_rmem's maximum, 32 MiB here: room for the whole answer).
+SOCKET_BUFFER = 64 << 10
+SOL_SOCKET, SO_SNDBUF, SO_RCVBUF = socket.SOL_SOCKET, socket.SO_SNDBUF, socket.SO_RCVBUF
+
+
+def _small_socket_buffers(config: dict) -> None:
+    """Envoy's client-side and producer-side sockets with fixed small kernel buffers."""
+    options = [{"level": SOL_SOCKET, "name": name, "int_value": SOCKET_BUFFER, "state": "STATE_PREBIND"}
+               for name in (SO_SNDBUF, SO_RCVBUF)]
+    for listener in config["static_resources"]["listeners"]:
+        listener["socket_options"] = options  # accepted sockets inherit them
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "producer")
+    cluster["upstream_bind_config"] = {"source_address": {"address": "127.0.0.1", "port_value": 0},
+                                       "socket_options": options}
+
+
 @pytest.fixture(scope="module")
 def small_buffer_envoy(plain_stack):
     """The same filter and producer behind an Envoy that buffers at most 1 MiB per connection
-    (the shipped config allows 16 MiB: the same mechanism, a larger bound)."""
-    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, BODY_LIMIT_BYTES=1 << 20)
+    (the shipped config allows 16 MiB: the same mechanism, a larger bound), with small kernel
+    socket buffers on both sides."""
+    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, BODY_LIMIT_BYTES=1 << 20,
+                              edit=_small_socket_buffers)
     yield envoy, base
     envoy.stop()
 
 
+def _max_socket_buffer(kind: str) -> int:
+    """The most the kernel lets one TCP socket buffer (``kind``: rmem or wmem) grow to."""
+    return int(Path(f"/proc/sys/net/ipv4/tcp_{kind}").read_text().split()[2])
+
+
 def test_slow_reader_is_held_back_by_flow_control(sim, script, qwen3_tokenizer, small_buffer_envoy):
     """A client that stops reading: Envoy's buffer fills, Envoy stops reading the producer, the
-    filter gets nothing more to translate, nobody's memory grows; then every token arrives."""
+    filter gets nothing more to translate, nobody's memory grows; then every token arrives.
+
+    Decided on the producer's state: it is held back once its writes wait on a full socket
+    buffer. For that to happen the answer must be larger than every buffer on the way: Envoy's
+    1 MiB per connection, the fixed 64 KiB kernel buffers of Envoy's and the client's sockets,
+    and the producer's own send buffer, which the kernel may grow to tcp_wmem's maximum.
+    """
     envoy_proc, base = small_buffer_envoy
     ids = encode(qwen3_tokenizer, "slow reader " * 2000)[:4000]
     script.set({"index": 0, "token_ids": ids, "finish_reason": "length"})
     filter_pid = sim.proc("filter").proc.pid
     envoy = psutil.Process(envoy_proc.proc.pid)
     envoy_before = envoy.memory_info().rss
-    # 16 x 4000 one-token events, usage on each: ~20 MB each way, about twice what Envoy (1 MiB)
-    # and the kernel's socket buffers on both sides of it hold.
+    # 16 x 4000 one-token events, usage on each: ~16 MB from the producer, ~20 MB to the client.
     n = 16
+    producer_bytes = n * len(ids) * 250  # an event is ~250 bytes
+    buffers = _max_socket_buffer("wmem") + (1 << 20) + 6 * SOCKET_BUFFER
+    assert producer_bytes > 2 * buffers, "the answer must not fit in the buffers on its way"
     body = chat(n=n, max_tokens=len(ids), stream_options={"include_usage": True, "continuous_usage_stats": True})
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as r:
+    client = httpx.Client(transport=httpx.HTTPTransport(socket_options=[(SOL_SOCKET, SO_RCVBUF, SOCKET_BUFFER)]),
+                          timeout=120)
+
+    def stats() -> dict:
+        return httpx.get(sim.sim_url + "/sim/stats", timeout=10).json()
+
+    with client, client.stream("POST", base + "/v1/chat/completions", json=body) as r:
         chunks = r.iter_raw(1 << 16)
         data = next(chunks)
 
-        def progress() -> int:
-            return sum(httpx.get(sim.sim_url + "/sim/stats", timeout=10).json()["running"].values())
-
-        def held_back():  # the producer's progress stops changing
-            samples = []
-            for _ in range(3):
-                samples.append(progress())
-                time.sleep(1)
-            return samples[0] if len(set(samples)) == 1 and samples[0] else None
+        def held_back():  # the producer's writes wait, and it sends nothing more
+            first = stats()
+            if not first["blocked"]:
+                return None
+            time.sleep(1)
+            second = stats()
+            sent = sum(first["running"].values())
+            return sent if second["blocked"] and sum(second["running"].values()) == sent else None
 
         sent = wait_for(held_back, "the producer to be held back", 120)
         filter_held, envoy_held = uss(filter_pid), envoy.memory_info().rss
         time.sleep(3)  # still not reading
-        assert progress() == sent < n * len(ids), "the producer was not held back"
+        assert sum(stats()["running"].values()) == sent < n * len(ids), "the producer was not held back"
         filter_growth, envoy_growth = uss(filter_pid) - filter_held, envoy.memory_info().rss - envoy_held
         assert filter_growth < 16 << 20 and envoy_growth < 16 << 20, (filter_growth, envoy_growth)
         assert envoy.memory_info().rss - envoy_before < 32 << 20

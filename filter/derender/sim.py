@@ -613,10 +613,14 @@ class Simulator:
         return web.Response(status=200)
 
     async def stats(self, request: web.Request) -> web.Response:
-        """GET /sim/stats: generate requests received ever, tokens sent per running request."""
+        """GET /sim/stats: generate requests received ever, tokens sent per running request, and
+        the running requests whose writes wait (the kernel's socket buffer is full: the reader
+        is not reading)."""
         running = {eid: sum(c.sent for g in gens for c in g.choices)
                    for eid, gens in self.running.items()}
-        return web.json_response({"received": self.received, "running": running})
+        blocked = sorted(eid for eid, gens in self.running.items() for g in gens
+                         if g.request.transport is not None and g.request.transport.get_write_buffer_size())
+        return web.json_response({"received": self.received, "running": running, "blocked": blocked})
 
     async def introspect(self, request: web.Request) -> web.Response:
         """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
