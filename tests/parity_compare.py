@@ -165,3 +165,77 @@ class ParityTable:
 
     def write(self, path: str | Path, cases: list[str], command: str) -> None:
         Path(path).write_text(self.markdown(cases, command))
+
+
+# -- Anthropic Messages ----------------------------------------------------------------------
+def normalize_anthropic(events: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Anthropic (event, data) pairs with per-run values replaced: the message id, tool-use ids
+    (one per block, by shape) and thinking signatures (random hex per block)."""
+    out = []
+    message_ids = set()
+    tool_ids: dict[int, str] = {}
+    for name, data in events:
+        data = copy.deepcopy(data)
+        message = data.get("message")
+        if isinstance(message, dict) and "id" in message:
+            message_ids.add(message["id"])
+            assert message["id"].startswith("chatcmpl-"), message["id"]
+            message["id"] = "<id>"
+        block = data.get("content_block")
+        if isinstance(block, dict) and block.get("id"):
+            assert block["id"] not in tool_ids.values(), f"tool_use id {block['id']} reused"
+            tool_ids[data["index"]] = block["id"]
+            block["id"] = f"{id_shape(block['id'])}#{data['index']}"
+        delta = data.get("delta")
+        if isinstance(delta, dict) and delta.get("type") == "signature_delta":
+            assert re.fullmatch(r"[0-9a-f]{32}", delta["signature"]), delta
+            delta["signature"] = "<signature>"
+        out.append((name, data))
+    assert len(message_ids) <= 1, f"one stream, several ids: {message_ids}"
+    return out
+
+
+def assemble_anthropic(events: list[tuple[str, dict]]) -> dict:
+    """The message a client folds from the events: blocks with their text, thinking or input."""
+    blocks: dict[int, dict] = {}
+    final: dict = {}
+    for name, data in events:
+        if name == "content_block_start":
+            block = dict(data["content_block"])
+            block.pop("id", None)
+            block.pop("signature", None)
+            if block["type"] == "tool_use":
+                block["input"] = ""
+            blocks[data["index"]] = block
+        elif name == "content_block_delta":
+            block, delta = blocks[data["index"]], data["delta"]
+            kind = delta["type"]
+            if kind == "text_delta":
+                block["text"] += delta["text"]
+            elif kind == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif kind == "input_json_delta":
+                block["input"] += delta["partial_json"]
+        elif name == "message_delta":
+            final = {"stop_reason": data["delta"].get("stop_reason"), "stop_sequence": data["delta"].get("stop_sequence"),
+                     "usage": data.get("usage")}
+        elif name == "error":
+            final = {"error": data["error"]}
+    for block in blocks.values():
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(block["input"] or "{}")
+    return {"content": [blocks[i] for i in sorted(blocks)], **final}
+
+
+def normalize_message(body: dict) -> dict:
+    """A non-streaming Anthropic message with per-run values replaced."""
+    body = copy.deepcopy(body)
+    assert body["id"].startswith("chatcmpl-"), body["id"]
+    body["id"] = "<id>"
+    for i, block in enumerate(body.get("content") or ()):
+        if block.get("id"):
+            block["id"] = f"{id_shape(block['id'])}#{i}"
+        if block.get("signature"):
+            assert re.fullmatch(r"[0-9a-f]{32}", block["signature"]), block
+            block["signature"] = "<signature>"
+    return body

@@ -178,3 +178,54 @@ class CoupledChat:
             payload = frame[6:-2]
             events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
         return events, engine.captured
+
+    def serving_messages(self, engine: ScriptedEngine) -> Any:
+        """vLLM's coupled Anthropic Messages server, with the same flags."""
+        from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+        a, r = self.args, self.state.online_renderer
+        return AnthropicServingMessages(
+            engine,  # type: ignore[arg-type]
+            self.state.openai_serving_models,
+            "assistant",
+            online_renderer=r,
+            request_logger=None,
+            chat_template=r.chat_template,
+            chat_template_content_format=a.chat_template_content_format,
+            reasoning_parser=a.reasoning_parser or self.vllm_config.structured_outputs_config.reasoning_parser or "",
+            enable_auto_tools=a.enable_auto_tool_choice,
+            tool_parser=a.tool_call_parser,
+            default_chat_template_kwargs=r.default_chat_template_kwargs,
+        )
+
+    def run_messages(self, body: dict, steps: list[Step]) -> tuple[list[tuple[str, dict]] | dict, Captured]:
+        """The coupled server's ``/v1/messages`` answer: (event, data) pairs (stream) or the JSON body."""
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+        engine = ScriptedEngine(self.vllm_config, self.state.online_renderer.renderer, steps)
+        serving = self.serving_messages(engine)
+        request = AnthropicMessagesRequest.model_validate(body)
+
+        async def go():
+            result = await serving.create_messages(request)
+            if hasattr(result, "error"):
+                raise AssertionError(f"vLLM refused the request: {result}")
+            if hasattr(result, "model_dump"):  # as vLLM's router sends it
+                return result.model_dump(exclude_none=True)
+            return [frame async for frame in result]
+
+        result = asyncio.run(go())
+        if isinstance(result, dict):
+            return result, engine.captured
+        return anthropic_events("".join(result)), engine.captured
+
+
+def anthropic_events(text: str) -> list[tuple[str, dict]]:
+    """An Anthropic SSE stream as (event name, data) pairs."""
+    events = []
+    for frame in text.split("\n\n"):
+        if not frame.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in frame.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events

@@ -18,11 +18,15 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import pytest
 from parity_cases import CASES, LEAK, STOP_DESYNC, STOP_KEPT, Case, cases_for, upstream
 from parity_compare import (
     ParityTable,
     assemble,
+    assemble_anthropic,
+    normalize_anthropic,
+    normalize_message,
     deltas,
     normalize_events,
     normalize_response,
@@ -36,7 +40,7 @@ from parity_paths import (
     through_envoy,
     through_sdk,
 )
-from reference import Step
+from reference import Step, anthropic_events
 
 COMMAND = "DERENDER_PARITY_TABLE=parity_table.md .venv/bin/python -m pytest tests/test_parity.py -q"
 # Sampling params the producer must get as the coupled engine would (stop strings stay with the filter).
@@ -49,8 +53,9 @@ def pytest_generate_tests(metafunc):
     # (model, case) pairs where the model config has the feature, grouped by model so that
     # one model's stack serves all its cases (see ``Servers``).
     if "model" in metafunc.fixturenames:
-        pairs = [(model, name) for model in MODELS for name in cases_for(model)]
-        ids = [f"{m}-{n}" + "".join(f" [{bug}]" for bug in upstream(n, m)) for m, n in pairs]
+        pairs = [(model, name) for model in MODELS
+                 for name in [*cases_for(model), *(MESSAGES + n for n in cases_for(model) if n in MESSAGES_CASES)]]
+        ids = [f"{m}-{n}" + "".join(f" [{bug}]" for bug in ((n in CASES) and upstream(n, m) or ())) for m, n in pairs]
         metafunc.parametrize(("model", "case_name"), pairs, ids=ids)
 
 
@@ -84,6 +89,8 @@ def public(params) -> dict | None:
 
 def check_render(sent: dict, captured, body: dict) -> None:
     """The producer got the prompt and sampling params the coupled engine would have."""
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
@@ -186,11 +193,81 @@ def non_streaming(body: dict) -> dict:
 
 def test_parity(servers: Servers, model: str, case_name: str, table: ParityTable):
     served = servers.get(model)
-    case = CASES[case_name](served.answers)
-    bugs = upstream(case_name, model)
+    messages = case_name.startswith(MESSAGES)
+    name = case_name.removeprefix(MESSAGES)
+    case = CASES[name](served.answers)
+    bugs = () if messages else upstream(name, model)
     ok = False
     try:
-        run_case(served, case, bugs)
+        (run_messages_case if messages else run_case)(served, case, bugs)
         ok = True
     finally:
         table.record(case_name, model, ok, bugs)
+
+
+# -- Anthropic Messages: the same engine steps through /v1/messages --------------------------
+MESSAGES = "messages: "
+MESSAGES_CASES = [f"{kind} chunks={how}" for kind in ("plain", "reasoning", "tool", "reasoning+tool")
+                  for how in ("1", "3-4", "tail")] + ["stop string across events"]
+
+
+def anthropic_body(case: Case, model: str) -> dict:
+    """The case's request as an Anthropic client sends it."""
+    body = {"model": model, "max_tokens": 1024, "messages": case.body["messages"]}
+    if tools := case.body.get("tools"):
+        body["tools"] = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                          "input_schema": t["function"]["parameters"]} for t in tools]
+    if stop := case.body.get("stop"):
+        body["stop_sequences"] = stop
+    return body
+
+
+def messages_through_envoy(served: Served, body: dict) -> list | dict:
+    url = served.stack.base_url + "/messages"
+    if not body.get("stream"):
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return anthropic_events(r.read().decode())
+
+
+def run_messages_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
+    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
+    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
+    body = {**anthropic_body(case, served.name), "stream": True}
+    steps = case.steps()
+
+    got = messages_through_envoy(served, body)
+    sent = served.stack.sim_requests()[-1]
+    want, captured = served.reference.run_messages(body, steps)
+
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
+    sp = GenerateRequest.model_validate(sent).sampling_params
+    for name in PARAMS:
+        assert getattr(sp, name) == getattr(captured.sampling_params, name), f"sampling_params.{name}"
+    assert not sp.stop and captured.sampling_params.stop == (body.get("stop_sequences") or [])
+    assert producer_steps(served, sent) == as_tuples(steps), "the simulator did not replay the scripted engine steps"
+
+    mine, ref = assemble_anthropic(got), assemble_anthropic(want)
+    assert mine == ref, "assembled messages differ"
+    assert normalize_anthropic(got) == normalize_anthropic(want), "SSE events differ"
+
+    # The case is what it says, in vLLM's answer.
+    kinds = [b["type"] for b in ref["content"]]
+    e = case.expect
+    assert [b["name"] for b in ref["content"] if b["type"] == "tool_use"] == e.get("tools", [])
+    assert ("thinking" in kinds) == bool(e.get("reasoning")) or e.get("reasoning") is None
+    if "stop" in e:
+        assert ref["stop_reason"] == "stop_sequence" and ref["stop_sequence"] == e["stop"], ref
+        wait_for_abort(served, got[0][1]["message"]["id"])
+
+    if case.full:
+        body = {**body, "stream": False}
+        got_full = messages_through_envoy(served, body)
+        want_full, _ = served.reference.run_messages(body, steps)
+        assert normalize_message(got_full) == normalize_message(want_full), "non-streaming message differs"

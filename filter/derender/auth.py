@@ -5,7 +5,8 @@ is given, from ``$DERENDER_API_KEYS`` (comma-separated), the way ``vllm serve``
 prefers ``--api-key`` over ``$VLLM_API_KEY``. The check is vLLM's own
 (``AuthenticationMiddleware.verify_token``: SHA-256 digests compared in
 constant time) on vLLM's guarded path prefixes (``/v1``, ``/inference``, ...;
-``/health`` and ``OPTIONS`` stay open). It runs on the request headers, so a
+``/health`` and ``OPTIONS`` stay open); Anthropic's clients may send the key as
+``x-api-key`` instead, checked the same way. It runs on the request headers, so a
 refused request never reaches a producer. The 401 body is an OpenAI error
 object carrying vLLM's message, ``Unauthorized`` (vLLM itself sends the bare
 ``{"error": "Unauthorized"}``).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import HTTPError
+from .errors import AnthropicHTTPError, HTTPError
 
 ENV = "DERENDER_API_KEYS"
 
@@ -54,4 +55,10 @@ def check(headers: dict[str, str]) -> HTTPError | None:
         return None
     if _checker.verify_token(Headers(headers={k: v for k, v in headers.items() if not k.startswith(":")})):
         return None
+    # Anthropic's clients send the key as x-api-key: the same keys, checked the same way.
+    key = headers.get("x-api-key")
+    if key and _checker.verify_token(Headers(headers={"authorization": f"Bearer {key}"})):
+        return None
+    if path.startswith("/v1/messages"):
+        return AnthropicHTTPError(401, "Unauthorized")
     return HTTPError(401, "Unauthorized")

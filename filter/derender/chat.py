@@ -18,7 +18,7 @@ from typing import Any, Callable
 from . import logs, metrics
 from .collect import Collected
 from .derender import ChatStream, chat_completion, choice_outputs, final_output
-from .errors import INCOMPLETE, HTTPError, error_body, from_exception
+from .errors import INCOMPLETE, HTTPError, from_exception
 from .model import Model
 from .producer import GENERATE_PATH, Producer
 from .render import Rendered, render_chat
@@ -76,6 +76,16 @@ class ChatExchange:
         self._body_at: float | None = None  # seconds from the request's headers to its body
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
+
+    @staticmethod
+    def completion_texts(sent: bytes, stream: bool) -> list[str]:
+        """The text of each choice in what the client got (``--log-prompts``)."""
+        return logs.completion_texts_from_sse(sent) if stream else logs.completion_texts_from_json(sent)
+
+    @staticmethod
+    def answer_error(exc: HTTPError) -> bytes:
+        """An error answer in the shape this endpoint's clients read (OpenAI's)."""
+        return exc.body()
 
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
@@ -205,13 +215,13 @@ class ChatExchange:
                 return b""
             else:
                 self._failed(metrics.producer_error, "incomplete")
-                out = error_body(502, INCOMPLETE)
+                out = self.answer_error(HTTPError(502, INCOMPLETE))
         except HTTPError as exc:
-            out = self._answer_failed(exc).body()
+            out = self.answer_error(self._answer_failed(exc))
             if not end:
                 self._abort("stream failed")
         except Exception as exc:
-            out = self._answer_failed(exc).body()
+            out = self.answer_error(self._answer_failed(exc))
             self._abort("filter error")
         collected.finished = True
         if self._sent is not None:
@@ -266,14 +276,14 @@ class ChatExchange:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
         assert self.rendered is not None
         if self.status != 200:
-            return producer_error(self.status, body), None
+            return self.answer_error(producer_failure(self.status, body)), None
         try:
             final = final_output(choice_outputs(self.model, self.rendered, stream=False), body)
             out = await self.full_response(self.model, self.rendered, final)
         except Exception as exc:
             error = self._answer_failed(exc)
             self.client_status = error.status
-            return error.body(), error.status
+            return self.answer_error(error), error.status
         self._completion_tokens = _token_count(body)
         if self._sent is not None:
             self._sent.append(out)
@@ -300,9 +310,7 @@ class ChatExchange:
             request = rendered.request
             tail["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
             sent = b"".join(self._sent)
-            tail["completion"] = (
-                logs.completion_texts_from_sse(sent) if rendered.stream else logs.completion_texts_from_json(sent)
-            )
+            tail["completion"] = self.completion_texts(sent, rendered.stream)
         record(
             log,
             self.endpoint,
@@ -387,7 +395,7 @@ def record(
 
 
 # gen_ai.operation.name for each endpoint (OpenTelemetry GenAI conventions).
-OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+OPERATIONS = {"chat": "chat", "completion": "text_completion", "messages": "messages"}
 
 
 def _token_count(body: bytes) -> int | None:
@@ -417,11 +425,16 @@ def producer_request_id(x_request_id: str | None, request_id: str) -> str:
 
 def producer_error(status: int, body: bytes) -> bytes:
     """A producer (or upstream) error body -> an OpenAI error with the same status."""
+    return producer_failure(status, body).body()
+
+
+def producer_failure(status: int, body: bytes) -> HTTPError:
+    """A producer (or upstream) error body -> the error the client gets, with the same status."""
     try:
         error = json.loads(body).get("error")
         if isinstance(error, dict) and "message" in error:
-            return error_body(status, str(error["message"]), error.get("type"), error.get("param"))
+            return HTTPError(status, str(error["message"]), error.get("type"), error.get("param"))
     except (ValueError, AttributeError):
         pass
     text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
-    return error_body(status, f"producer error: {text}")
+    return HTTPError(status, f"producer error: {text}")

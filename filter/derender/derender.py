@@ -57,6 +57,7 @@ class ChatStream:
         self._ended = False
         self._step: Any = None
         self._early = b""  # what the generator yielded before the first event (``start``)
+        self._failure: BaseException | None = None  # raised to vLLM's generator in place of an output
         self._agen = self._generator(model, rendered)
 
     def _generator(self, model: Model, rendered: Rendered):
@@ -64,7 +65,7 @@ class ChatStream:
         from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
         request = rendered.request
-        return model.serving_chat.chat_completion_stream_generator(
+        return self._serving(model).chat_completion_stream_generator(
             request,
             self._results(),
             rendered.request_id,
@@ -74,6 +75,11 @@ class ChatStream:
             RequestResponseMetadata(request_id=rendered.request_id),
             chat_template_kwargs=rendered.chat_template_kwargs,
         )
+
+    @staticmethod
+    def _serving(model: Model) -> Any:
+        """The vLLM serving object whose stream generator writes this endpoint's frames."""
+        return model.serving_chat
 
     def start(self) -> None:
         """Run vLLM's generator up to its wait for the first event; it builds its parsers there.
@@ -92,6 +98,8 @@ class ChatStream:
         while True:
             while self._queue:
                 yield self._queue.popleft()
+            if self._failure is not None:  # the engine failed, as vLLM's generators see it
+                raise self._failure
             if self._ended:
                 return
             await _WAIT
@@ -241,13 +249,17 @@ def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
 
 async def chat_completion(model: Model, rendered: Rendered, final: Any) -> bytes:
     """The generation's final ``RequestOutput`` -> the ``chat.completion`` JSON, by vLLM's full generator."""
+    return dumps((await chat_response(model.serving_chat, model, rendered, final)).model_dump())
+
+
+async def chat_response(chat: Any, model: Model, rendered: Rendered, final: Any) -> Any:
+    """The final ``RequestOutput`` -> vLLM's ``ChatCompletionResponse`` by ``chat`` (an ``OpenAIServingChat``)."""
     from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
     async def results():
         yield final
 
     request = rendered.request
-    chat = model.serving_chat
     parser = None
     if chat.parser_cls is not None:
         parser = chat._make_parser(request, model.tokenizer, rendered.chat_template_kwargs)
@@ -263,4 +275,4 @@ async def chat_completion(model: Model, rendered: Rendered, final: Any) -> bytes
     )
     if hasattr(result, "error"):
         raise HTTPError.from_vllm(result)
-    return dumps(result.model_dump())
+    return result

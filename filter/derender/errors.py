@@ -18,6 +18,10 @@ INCOMPLETE = "the producer's stream ended before the generation finished"
 class HTTPError(Exception):
     """An error the client gets as ``{"error": {...}}`` with an HTTP status."""
 
+    # True: the OpenAI shape on every endpoint (vLLM's request-validation 400s are answered
+    # before any endpoint's handler runs, so /v1/messages gets them in this shape too).
+    openai_shape = False
+
     def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None):
         super().__init__(message)
         self.status = int(status)
@@ -33,6 +37,26 @@ class HTTPError(Exception):
         """From a vLLM ``ErrorResponse``."""
         e = response.error
         return cls(e.code, e.message, e.type, e.param)
+
+
+class AnthropicHTTPError(HTTPError):
+    """An ``HTTPError`` the client gets in Anthropic's shape (vLLM's ``translate_error_response``)."""
+
+    @classmethod
+    def of(cls, exc: HTTPError) -> HTTPError:
+        if isinstance(exc, AnthropicHTTPError) or exc.openai_shape:
+            return exc
+        return cls(exc.status, exc.message, exc.type, exc.param)
+
+    def body(self) -> bytes:
+        return anthropic_error_body(self.status, self.message)
+
+
+def anthropic_error_body(status: int, message: str) -> bytes:
+    """``{"type": "error", "error": {...}}`` with the error type vLLM picks for ``status``."""
+    from vllm.entrypoints.anthropic.protocol import translate_error_type
+
+    return dumps({"type": "error", "error": {"type": translate_error_type(status), "message": message}})
 
 
 def _default_type(status: int) -> str:

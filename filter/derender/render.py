@@ -51,7 +51,11 @@ def parse_chat_request(model: Model, raw: bytes) -> Any:
 
 async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Rendered:
     """Render a ``/v1/chat/completions`` body; raises ``HTTPError`` for bad input."""
-    request = parse_chat_request(model, raw)
+    return await render_chat_request(model, parse_chat_request(model, raw), x_request_id)
+
+
+async def render_chat_request(model: Model, request: Any, x_request_id: str | None) -> Rendered:
+    """Render a validated ``ChatCompletionRequest``; raises ``HTTPError`` for bad input."""
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
     try:
         result = await model.serving_render.render_chat_request(request, SimpleNamespace(headers=headers))

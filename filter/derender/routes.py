@@ -14,35 +14,24 @@ once (a ``Reply``), without a producer round trip.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
 from .chat import Rewrite
-from .errors import HTTPError, dumps
+from .errors import HTTPError, anthropic_error_body, dumps
 from .model import Model
 from .producer import Producer
+from .reply import Reply
 
 CLUSTER_HEADER = "x-derender-cluster"
 DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
-BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, "/tokenize", "/detokenize")
+MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"
+BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, "/tokenize", "/detokenize")
+ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 MODELS_PATH = "/v1/models"
-
-
-@dataclass
-class Reply:
-    """An immediate response."""
-
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-
-    @classmethod
-    def error(cls, exc: HTTPError) -> Reply:
-        return cls(exc.status, exc.body())
 
 
 def model_not_found(name: str, aliases: list[str]) -> HTTPError:
@@ -110,6 +99,8 @@ class Backend:
 
             if path in (CHAT_PATH, COMPLETIONS_PATH):
                 return TierExchange(self.tier, CHAT if path == CHAT_PATH else COMPLETION, self.producer, x_request_id)
+            if path in ANTHROPIC_PATHS:
+                return NotServed(TIER_HAS_NO_MESSAGES)
             return TierPassThrough(self.tier, path, x_request_id)
         assert self.model is not None
         if path == CHAT_PATH:
@@ -120,6 +111,14 @@ class Backend:
             from .completions import CompletionExchange
 
             return CompletionExchange(self.model, self.producer, x_request_id)
+        if path == MESSAGES_PATH:
+            from .messages import MessagesExchange
+
+            return MessagesExchange(self.model, self.producer, x_request_id)
+        if path == COUNT_TOKENS_PATH:
+            from .messages import CountTokensExchange
+
+            return CountTokensExchange(self.model, x_request_id)
         from .tokenization import TokenizationExchange
 
         return TokenizationExchange(self.model, path, x_request_id)
@@ -130,6 +129,29 @@ class Backend:
             return await self.tier.models()
         assert self.model is not None
         return (await self.model.registry.show_available_models()).model_dump()["data"]
+
+
+TIER_HAS_NO_MESSAGES = (
+    "/v1/messages is not served in render-tier mode: vLLM's render tier renders Messages requests but "
+    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
+    "--model (the filter renders and derenders Messages itself), or use /v1/chat/completions."
+)
+
+
+class NotServed:
+    """An endpoint this backend cannot serve: the error once the body is in (Anthropic's shape)."""
+
+    stream = None
+
+    def __init__(self, message: str, status: int = 501) -> None:
+        self.message = message
+        self.status = status
+
+    async def request_body(self, body: bytes) -> Reply:
+        return Reply(self.status, anthropic_error_body(self.status, self.message))
+
+    def close(self, complete: bool) -> None:
+        pass
 
 
 class ModelExchange:

@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 
 from .errors import HTTPError, dumps, from_exception, parse_body
 from .model import Model
+from .reply import Reply
 
 
 @functools.cache
@@ -34,8 +35,6 @@ class TokenizationExchange:
         self.x_request_id = x_request_id
 
     async def request_body(self, body: bytes) -> Any:
-        from .routes import Reply
-
         request = parse_body(_adapter(self.path).validate_python, body)
         serving = self.model.serving_tokenization
         raw = SimpleNamespace(headers={"X-Request-Id": self.x_request_id} if self.x_request_id else {})

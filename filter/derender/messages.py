@@ -1,0 +1,208 @@
+"""``POST /v1/messages`` (Anthropic Messages) and ``/v1/messages/count_tokens``, by vLLM's own code.
+
+vLLM 0.33's coupled server answers Messages with ``AnthropicServingMessages``, an
+``OpenAIServingChat`` that converts the Anthropic request into a chat request
+(``to_chat_completion_request``), runs the chat path, and converts its output:
+the chat chunk stream through ``message_stream_converter`` into Anthropic events
+(``message_start``, ``content_block_start/delta/stop`` for ``thinking``, ``text``
+and ``tool_use``, ``message_delta``, ``message_stop``), the full answer through
+``messages_full_converter``. The filter does the same with the same objects: the
+request is converted as vLLM converts it, then rendered as a chat request (what
+vLLM's ``/v1/messages/render`` does); the producer's events drive the chat
+stream's live state (``ChatStream``) with ``AnthropicServingMessages``'s stream
+generator in place of the chat one. So every chat feature (reasoning and tool
+parsers, stop sequences held by the filter, aborts, stalls, faults) carries over.
+
+Errors: what vLLM's Messages handler answers comes in Anthropic's shape
+(``{"type": "error", "error": {"type": ..., "message": ...}}``), with the error
+type vLLM picks for the status (``translate_error_type``); a body that fails
+validation gets the same 400 as vLLM, whose request-validation handler answers it
+in the OpenAI shape before the Messages handler runs. A failure mid-stream is
+raised to vLLM's generator as the engine's failure, so the client gets what the
+coupled server sends then: the open block closed and an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from .chat import ChatExchange, Rewrite
+from .derender import ChatStream, chat_response
+from .errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
+from .model import Model, _EngineStandIn
+from .render import Rendered, render_chat_request
+from .reply import Reply
+
+MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+
+
+class _QuietStreamErrors(logging.Filter):
+    """vLLM's converter logs a traceback for every failed stream; the filter logs its own line
+    for a producer's failure (the exchange's request log), so only other errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return type(exc).__name__ != "_StreamError"
+
+
+@functools.cache
+def serving_messages(model: Model) -> Any:
+    """vLLM's ``AnthropicServingMessages`` for ``model``, built as ``vllm serve`` builds it."""
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    args = model.args
+    logging.getLogger("vllm.entrypoints.anthropic.serving").addFilter(_QuietStreamErrors())
+    return AnthropicServingMessages(
+        _EngineStandIn(model.vllm_config, model.renderer),  # type: ignore[arg-type]
+        model.registry,  # type: ignore[arg-type]
+        "assistant",
+        online_renderer=model.online_renderer,
+        request_logger=None,
+        chat_template=model.online_renderer.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        reasoning_parser=model.args.reasoning_parser or model.vllm_config.structured_outputs_config.reasoning_parser or "",
+        enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser,
+        tool_strict_level=args.tool_strict_level,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        default_chat_template_kwargs=model.online_renderer.default_chat_template_kwargs,
+    )
+
+
+def _validated(validate, raw: bytes) -> Any:
+    """``parse_body``, whose 400 keeps the OpenAI shape, as vLLM's validation handler answers it."""
+    try:
+        return parse_body(validate, raw)
+    except HTTPError as exc:
+        exc.openai_shape = True
+        raise
+
+
+async def to_chat_request(model: Model, request: Any) -> Any:
+    """The chat request vLLM's Messages handler makes of an Anthropic request (or count_tokens request)."""
+    serving = serving_messages(model)
+    try:
+        effort = await serving.disabled_thinking_effort_resolver.resolve_for(request)
+        return serving.to_chat_completion_request(
+            request, merge_inline_system=serving._merge_inline_system, disabled_thinking_effort=effort
+        )
+    except Exception as exc:  # e.g. a tool_addition naming an undeclared tool: vLLM's 400
+        raise from_exception(exc) from None
+
+
+async def render_messages(model: Model, raw: bytes, x_request_id: str | None) -> Rendered:
+    """Render a ``/v1/messages`` body as vLLM converts and renders it; raises ``HTTPError``."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+    request = _validated(lambda body: AnthropicMessagesRequest.model_validate(body, from_attributes=True), raw)
+    return await render_chat_request(model, await to_chat_request(model, request), x_request_id)
+
+
+class MessagesStream(ChatStream):
+    """One streaming Messages answer: the chat stream's state, vLLM's Anthropic stream generator."""
+
+    @staticmethod
+    def _serving(model: Model) -> Any:
+        return serving_messages(model)
+
+    def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
+        """Stop here: the engine's failure goes to vLLM's generator, which closes the open block
+        and writes Anthropic's ``error`` event, as the coupled server does when its engine fails."""
+        if self.finished:
+            return self._take_early()
+        from vllm.exceptions import GenerationError
+
+        failure = GenerationError(message)
+        failure.status_code = HTTPStatus(status)
+        self._failure = failure
+        try:
+            return self._pump()
+        except Exception:  # never a broken stream: the error event alone
+            self._close()
+            return self._take_early() + _error_event(status, message)
+
+
+def _error_event(status: int, message: str) -> bytes:
+    return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
+
+
+async def message_response(model: Model, rendered: Rendered, final: Any) -> bytes:
+    """The generation's final ``RequestOutput`` -> the Anthropic message JSON, by vLLM's converters."""
+    serving = serving_messages(model)
+    result = await chat_response(serving, model, rendered, final)
+    return dumps(serving.messages_full_converter(result).model_dump(exclude_none=True))
+
+
+class MessagesExchange(ChatExchange):
+    """One ``/v1/messages`` exchange: ``ChatExchange`` with the Messages pieces."""
+
+    render = staticmethod(render_messages)
+    stream_class = MessagesStream
+    full_response = staticmethod(message_response)
+    endpoint = "messages"
+
+    @staticmethod
+    def answer_error(exc: HTTPError) -> bytes:
+        return AnthropicHTTPError.of(exc).body()
+
+    async def request_body(self, body: bytes) -> Rewrite:
+        try:
+            return await super().request_body(body)
+        except HTTPError as exc:
+            raise AnthropicHTTPError.of(exc) from None
+
+    @staticmethod
+    def completion_texts(sent: bytes, stream: bool) -> list[str]:
+        """What the client got, for ``--log-prompts``: thinking, text and tool input, in order."""
+        if not stream:
+            try:
+                blocks = json.loads(sent).get("content") or ()
+            except (ValueError, AttributeError):
+                return []
+            return ["".join(b.get("thinking") or b.get("text") or json.dumps(b.get("input", "")) for b in blocks)]
+        parts = []
+        for line in sent.split(b"\n"):
+            if line.startswith(b"data: "):
+                try:
+                    delta = json.loads(line[6:]).get("delta") or {}
+                except (ValueError, AttributeError):
+                    continue
+                parts.append(delta.get("thinking") or delta.get("text") or delta.get("partial_json") or "")
+        return ["".join(parts)]
+
+
+class CountTokensExchange:
+    """``/v1/messages/count_tokens``: the rendered prompt's length, answered by the filter itself."""
+
+    stream = None
+
+    def __init__(self, model: Model, x_request_id: str | None) -> None:
+        self.model = model
+        self.x_request_id = x_request_id
+
+    async def request_body(self, body: bytes) -> Reply:
+        from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest
+
+        try:
+            request = _validated(lambda b: AnthropicCountTokensRequest.model_validate(b, from_attributes=True), body)
+            result = await serving_messages(self.model).count_tokens(request)
+        except HTTPError as exc:
+            exc = AnthropicHTTPError.of(exc)
+            return Reply(exc.status, exc.body())
+        except Exception as exc:
+            error = AnthropicHTTPError.of(from_exception(exc))
+            return Reply(error.status, error.body())
+        if hasattr(result, "error"):
+            error = AnthropicHTTPError.of(HTTPError.from_vllm(result))
+            return Reply(error.status, error.body())
+        return Reply(200, dumps(result.model_dump(exclude_none=True)))
+
+    def close(self, complete: bool) -> None:
+        pass
