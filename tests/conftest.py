@@ -87,3 +87,20 @@ def client(plain_stack):
     from openai import OpenAI
 
     return OpenAI(base_url=plain_stack.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def agent_stack(qwen3_dir, tmp_path_factory):
+    """Qwen3 as agents meet it: thinking (qwen3 parser) and tools (hermes), script mode.
+
+    Its script is ``agent_stack.script`` (a ``Script``)."""
+    script = Script(tmp_path_factory.mktemp("agent-sim") / "script.jsonl")
+    s = Stack(
+        qwen3_dir,
+        ["--served-model-name", "qwen3", "--max-model-len", "4096",
+         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
+        ["--mode", "script", "--script", str(script.path)],
+    ).start()
+    s.script = script  # type: ignore[attr-defined]
+    yield s
+    s.stop()

@@ -68,6 +68,10 @@ class _EngineStandIn:
         self.model_config = vllm_config.model_config
         self.renderer = renderer
 
+    def check_admission(self, *args: Any, **kwargs: Any) -> None:
+        """Admission (queue limits) is the producer's: it answers 503 itself when full."""
+        return None
+
 
 class Model:
     """Read-only vLLM objects for one served model."""
