@@ -125,19 +125,44 @@ def test_key_sources_and_precedence(monkeypatch):
 
 
 # -- headers the producer must not see ------------------------------------------------------
-def test_client_credentials_never_reach_the_producer(sim):
-    from derender.extproc import STRIP_REQUEST_HEADERS
+# The client credentials the README promises never reach a producer (named here, not taken from
+# the filter's own list, so that a header dropped from that list fails this test).
+CREDENTIALS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
 
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/messages"])
+def test_client_credentials_never_reach_the_producer(sim, path):
     sim.sim_config(mode="echo")
-    secret = {name: f"secret-{name}-{uuid.uuid4().hex}" for name in STRIP_REQUEST_HEADERS}
+    secret = {name: f"secret-{name}-{uuid.uuid4().hex}" for name in CREDENTIALS}
     for stream in (False, True):
-        r = httpx.post(sim.base_url + "/chat/completions", json=chat(stream), headers={**secret, "x-request-id": "rid-" + str(stream)}, timeout=30)
+        body = chat(stream) if path == "/chat/completions" else {**chat(stream), "max_tokens": 20}
+        r = httpx.post(sim.base_url + path, json=body, headers={**secret, "x-request-id": "rid-" + str(stream)}, timeout=30)
         assert r.status_code == 200
     seen = sim_headers(sim)[-2:]
     for headers in seen:
-        assert not set(STRIP_REQUEST_HEADERS) & set(headers), headers
+        assert not set(CREDENTIALS) & set(headers), headers
         assert not any(value in json.dumps(headers) for value in secret.values())
     assert [h["x-request-id"] for h in seen] == ["rid-False", "rid-True"]  # other headers do pass
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(sim, keyed):
+    """The anthropic SDK sends its key as x-api-key: the same keys, checked the same way; a wrong
+    one gets Anthropic's authentication_error before anything reaches the producer."""
+    import anthropic
+
+    sim.sim_config(mode="echo")
+    good = anthropic.Anthropic(base_url=keyed, api_key=KEYS[1], max_retries=0, timeout=30)
+    reply = good.messages.create(model="qwen3", max_tokens=20, messages=[{"role": "user", "content": "hello there"}])
+    assert reply.content[0].text == "hello there"
+    assert "x-api-key" not in sim_headers(sim)[-1]
+    before = sim_received(sim)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        anthropic.Anthropic(base_url=keyed, api_key="nope", max_retries=0, timeout=30).messages.create(
+            model="qwen3", max_tokens=20, messages=[{"role": "user", "content": "hi"}])
+    assert info.value.body == {"type": "error", "error": {"type": "authentication_error", "message": "Unauthorized"}}
+    r = httpx.post(keyed + "/v1/chat/completions", json=chat(), headers={"x-api-key": "nope"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["message"] == "Unauthorized"  # OpenAI shape on OpenAI paths
+    assert sim_received(sim) == before
 
 
 # -- bounded bodies -------------------------------------------------------------------------
