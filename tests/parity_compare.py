@@ -239,3 +239,61 @@ def normalize_message(body: dict) -> dict:
             assert re.fullmatch(r"[0-9a-f]{32}", block["signature"]), block
             block["signature"] = "<signature>"
     return body
+
+
+# -- OpenAI Responses ------------------------------------------------------------------------
+_RANDOM_ID = re.compile(r"^(resp|rs|msg|fc|call|ws|chatcmpl-tool|chatcmpl)[_-][0-9a-zA-Z-]{8,}$")
+
+
+def normalize_responses(value):
+    """Responses events (or a response) with per-run ids replaced by ``<id N>`` in order of first
+    appearance (so an id that one event repeats must be repeated the same way) and times by ``<t>``."""
+    seen: dict[str, str] = {}
+
+    def walk(v, key=None):
+        if isinstance(v, dict):
+            return {k: walk(x, k) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, str) and _RANDOM_ID.match(v):
+            return seen.setdefault(v, f"<id {len(seen)}>")
+        if key in ("created_at", "completed_at") and isinstance(v, (int, float)):
+            return "<t>"
+        return v
+
+    return walk(value)
+
+
+def assemble_responses(events: list[tuple[str, dict]]) -> dict:
+    """What a client reads off a Responses stream: the reasoning, text and function calls it was
+    streamed (deltas folded), and the terminal event's status and output."""
+    reasoning, text, args = [], [], {}
+    names = {}
+    terminal: dict = {}
+    for name, data in events:
+        if name == "response.reasoning_text.delta":
+            reasoning.append(data["delta"])
+        elif name == "response.output_text.delta":
+            text.append(data["delta"])
+        elif name == "response.function_call_arguments.delta":
+            args[data["item_id"]] = args.get(data["item_id"], "") + data["delta"]
+        elif name == "response.output_item.added" and data["item"]["type"] == "function_call":
+            names[data["item"]["id"]] = data["item"]["name"]
+        elif name in ("response.completed", "response.incomplete", "response.failed"):
+            terminal = {"event": name, "status": data["response"]["status"],
+                        "incomplete": data["response"].get("incomplete_details")}
+    return {"reasoning": "".join(reasoning), "text": "".join(text),
+            "calls": [(names.get(i), a) for i, a in args.items()], **terminal}
+
+
+def response_parts(response: dict) -> dict:
+    """The same view of a (non-streamed, or terminal) response object."""
+    reasoning, text, calls = [], [], []
+    for item in response["output"]:
+        if item["type"] == "reasoning":
+            reasoning += [c["text"] for c in item.get("content") or ()]
+        elif item["type"] == "message":
+            text += [c["text"] for c in item["content"] if c["type"] == "output_text"]
+        elif item["type"] == "function_call":
+            calls.append((item["name"], item["arguments"]))
+    return {"reasoning": "".join(reasoning), "text": "".join(text), "calls": calls}

@@ -229,3 +229,43 @@ def anthropic_events(text: str) -> list[tuple[str, dict]]:
         lines = dict(line.split(": ", 1) for line in frame.split("\n"))
         events.append((lines["event"], json.loads(lines["data"])))
     return events
+
+
+def coupled_responses(coupled: CoupledChat, engine: ScriptedEngine) -> Any:
+    """vLLM's coupled Responses server, with ``coupled``'s flags."""
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    a, r = coupled.args, coupled.state.online_renderer
+    return OpenAIServingResponses(
+        engine,  # type: ignore[arg-type]
+        coupled.state.openai_serving_models,
+        r,
+        request_logger=None,
+        chat_template=r.chat_template,
+        chat_template_content_format=a.chat_template_content_format,
+        reasoning_parser=a.reasoning_parser or coupled.vllm_config.structured_outputs_config.reasoning_parser or "",
+        enable_auto_tools=a.enable_auto_tool_choice,
+        tool_parser=a.tool_call_parser,
+        default_chat_template_kwargs=r.default_chat_template_kwargs,
+    )
+
+
+def run_responses(coupled: CoupledChat, body: dict, steps: list[Step]) -> tuple[list[tuple[str, dict]] | dict, Captured]:
+    """The coupled server's ``/v1/responses`` answer: (event, data) pairs (stream) or the JSON body,
+    serialized as vLLM's router serializes them."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    engine = ScriptedEngine(coupled.vllm_config, coupled.state.online_renderer.renderer, steps)
+    serving = coupled_responses(coupled, engine)
+    request = ResponsesRequest.model_validate(body)
+
+    async def go():
+        result = await serving.create_responses(request)
+        if hasattr(result, "error"):
+            raise AssertionError(f"vLLM refused the request: {result}")
+        if not hasattr(result, "__aiter__"):
+            return result.model_dump(mode="json", by_alias=True)
+        return [(getattr(e, "type", "unknown"), json.loads(e.model_dump_json(indent=None, by_alias=True)))
+                async for e in result]
+
+    return asyncio.run(go()), engine.captured

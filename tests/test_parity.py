@@ -25,8 +25,10 @@ from parity_compare import (
     ParityTable,
     assemble,
     assemble_anthropic,
+    assemble_responses,
     normalize_anthropic,
     normalize_message,
+    normalize_responses,
     deltas,
     normalize_events,
     normalize_response,
@@ -40,7 +42,7 @@ from parity_paths import (
     through_envoy,
     through_sdk,
 )
-from reference import Step, anthropic_events
+from reference import Step, anthropic_events, run_responses
 
 COMMAND = "DERENDER_PARITY_TABLE=parity_table.md .venv/bin/python -m pytest tests/test_parity.py -q"
 # Sampling params the producer must get as the coupled engine would (stop strings stay with the filter).
@@ -54,7 +56,8 @@ def pytest_generate_tests(metafunc):
     # one model's stack serves all its cases (see ``Servers``).
     if "model" in metafunc.fixturenames:
         pairs = [(model, name) for model in MODELS
-                 for name in [*cases_for(model), *(MESSAGES + n for n in cases_for(model) if n in MESSAGES_CASES)]]
+                 for name in [*cases_for(model), *(MESSAGES + n for n in cases_for(model) if n in MESSAGES_CASES),
+                              *(RESPONSES + n for n in cases_for(model) if n in RESPONSES_CASES)]]
         ids = [f"{m}-{n}" + "".join(f" [{bug}]" for bug in ((n in CASES) and upstream(n, m) or ())) for m, n in pairs]
         metafunc.parametrize(("model", "case_name"), pairs, ids=ids)
 
@@ -193,13 +196,12 @@ def non_streaming(body: dict) -> dict:
 
 def test_parity(servers: Servers, model: str, case_name: str, table: ParityTable):
     served = servers.get(model)
-    messages = case_name.startswith(MESSAGES)
-    name = case_name.removeprefix(MESSAGES)
+    endpoint, _, name = case_name.rpartition(": ")
     case = CASES[name](served.answers)
-    bugs = () if messages else upstream(name, model)
+    bugs = () if endpoint else upstream(name, model)
     ok = False
     try:
-        (run_messages_case if messages else run_case)(served, case, bugs)
+        {"": run_case, "messages": run_messages_case, "responses": run_responses_case}[endpoint](served, case, bugs)
         ok = True
     finally:
         table.record(case_name, model, ok, bugs)
@@ -271,3 +273,65 @@ def run_messages_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None
         got_full = messages_through_envoy(served, body)
         want_full, _ = served.reference.run_messages(body, steps)
         assert normalize_message(got_full) == normalize_message(want_full), "non-streaming message differs"
+
+
+# -- OpenAI Responses: the same engine steps through /v1/responses ---------------------------
+RESPONSES = "responses: "
+RESPONSES_CASES = [f"{kind} chunks={how}" for kind in ("plain", "reasoning", "tool", "reasoning+tool")
+                   for how in ("1", "3-4", "tail")] + ["length cuts a tool call"]
+
+
+def responses_body(case: Case, model: str) -> dict:
+    """The case's request as a Responses client sends it."""
+    body = {"model": model, "input": case.body["messages"]}
+    if tools := case.body.get("tools"):
+        body["tools"] = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                          "parameters": t["function"]["parameters"]} for t in tools]
+    if "max_tokens" in case.body:
+        body["max_output_tokens"] = case.body["max_tokens"]
+    return body
+
+
+def responses_through_envoy(served: Served, body: dict) -> list | dict:
+    url = served.stack.base_url + "/responses"
+    if not body.get("stream"):
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [(name, data) for name, data in anthropic_events(r.read().decode())]
+
+
+def run_responses_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+
+    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
+    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
+    body = {**responses_body(case, served.name), "stream": True}
+    steps = case.steps()
+
+    got = responses_through_envoy(served, body)
+    sent = served.stack.sim_requests()[-1]
+    want, captured = run_responses(served.reference, body, steps)
+
+    assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
+    sp = GenerateRequest.model_validate(sent).sampling_params
+    for name in PARAMS:
+        assert getattr(sp, name) == getattr(captured.sampling_params, name), f"sampling_params.{name}"
+    assert producer_steps(served, sent) == as_tuples(steps), "the simulator did not replay the scripted engine steps"
+
+    mine, ref = assemble_responses(got), assemble_responses(want)
+    assert mine == ref, "assembled responses differ"
+    assert normalize_responses(got) == normalize_responses(want), "SSE events differ"
+
+    e = case.expect
+    assert [name for name, _ in ref["calls"]] == e.get("tools", []), ref
+    if e.get("reasoning"):
+        assert ref["reasoning"], ref
+    if case.full or "length" in case.name:
+        body = {**body, "stream": False}
+        got_full = responses_through_envoy(served, body)
+        want_full, _ = run_responses(served.reference, body, steps)
+        assert normalize_responses(got_full) == normalize_responses(want_full), "non-streaming response differs"

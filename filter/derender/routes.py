@@ -29,7 +29,8 @@ CLUSTER_HEADER = "x-derender-cluster"
 DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"
-BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, "/tokenize", "/detokenize")
+RESPONSES_PATH = "/v1/responses"
+BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, "/tokenize", "/detokenize")
 ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 MODELS_PATH = "/v1/models"
 
@@ -101,6 +102,8 @@ class Backend:
                 return TierExchange(self.tier, CHAT if path == CHAT_PATH else COMPLETION, self.producer, x_request_id)
             if path in ANTHROPIC_PATHS:
                 return NotServed(TIER_HAS_NO_MESSAGES)
+            if path == RESPONSES_PATH:
+                return NotServed(TIER_HAS_NO_RESPONSES, anthropic=False)
             return TierPassThrough(self.tier, path, x_request_id)
         assert self.model is not None
         if path == CHAT_PATH:
@@ -119,6 +122,10 @@ class Backend:
             from .messages import CountTokensExchange
 
             return CountTokensExchange(self.model, x_request_id)
+        if path == RESPONSES_PATH:
+            from .responses import ResponsesExchange
+
+            return ResponsesExchange(self.model, self.producer, x_request_id)
         from .tokenization import TokenizationExchange
 
         return TokenizationExchange(self.model, path, x_request_id)
@@ -138,17 +145,27 @@ TIER_HAS_NO_MESSAGES = (
 )
 
 
+TIER_HAS_NO_RESPONSES = (
+    "/v1/responses is not served in render-tier mode: vLLM's render tier renders Responses requests but "
+    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
+    "--model (the filter renders and derenders Responses itself), or use /v1/chat/completions."
+)
+
+
 class NotServed:
-    """An endpoint this backend cannot serve: the error once the body is in (Anthropic's shape)."""
+    """An endpoint this backend cannot serve: the error once the body is in."""
 
     stream = None
 
-    def __init__(self, message: str, status: int = 501) -> None:
+    def __init__(self, message: str, status: int = 501, anthropic: bool = True) -> None:
         self.message = message
         self.status = status
+        self.anthropic = anthropic
 
     async def request_body(self, body: bytes) -> Reply:
-        return Reply(self.status, anthropic_error_body(self.status, self.message))
+        if self.anthropic:
+            return Reply(self.status, anthropic_error_body(self.status, self.message))
+        return Reply.error(HTTPError(self.status, self.message, "NotImplementedError"))
 
     def close(self, complete: bool) -> None:
         pass
@@ -238,9 +255,26 @@ class Router:
                 return Reply(200, dumps({"object": "list", "data": await self._cards()}))
             if path.startswith(MODELS_PATH + "/") and method == "GET":
                 return await self._card(unquote(path[len(MODELS_PATH) + 1 :]))
+            if path.startswith(RESPONSES_PATH + "/"):
+                return await self._stored_response(method, unquote(path[len(RESPONSES_PATH) + 1 :]))
         except HTTPError as exc:
             return Reply.error(exc)
         return Reply.error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))
+
+    async def _stored_response(self, method: str, rest: str) -> Reply:
+        """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: vLLM's answers (405 otherwise)."""
+        cancel = rest.endswith("/cancel")
+        response_id = rest.removesuffix("/cancel")
+        if "/" in response_id or not response_id:
+            raise HTTPError(404, f"Route {method} {RESPONSES_PATH}/{rest} is not served here", "NotFoundError")
+        if method != ("POST" if cancel else "GET"):
+            raise HTTPError(405, "Method Not Allowed", "Method Not Allowed")
+        backend = self.backends[0]
+        if backend.model is None:
+            raise HTTPError(501, TIER_HAS_NO_RESPONSES, "NotImplementedError")
+        from .responses import StoredResponseExchange
+
+        return await StoredResponseExchange(backend.model, response_id, cancel).answer()
 
     async def _cards(self) -> list[dict[str, Any]]:
         cards: list[dict[str, Any]] = []

@@ -1,0 +1,436 @@
+"""``POST /v1/responses`` (OpenAI Responses) by vLLM's own ``OpenAIServingResponses``.
+
+vLLM's Responses server is its own path, not a layer over chat: it renders the
+request (instructions, input items, tools, ``previous_response_id``), keeps a
+``ConversationContext`` (Harmony for gpt-oss), parses output with its
+``ParserManager`` parser and writes the event sequence (``response.created`` ...
+``response.completed`` / ``response.incomplete``). The filter runs that code
+unchanged, with one stand-in: the engine. Each request gets a ``Session``; vLLM's
+``create_responses`` runs as a task, and when it asks the engine to generate, the
+stand-in hands back the session's outputs and tells the filter what vLLM would have
+sent the engine (prompt ids, sampling params, reasoning settings). That becomes
+the producer's ``GenerateRequest``: the request is validated and rendered exactly
+once, by vLLM, as the coupled server does. The producer's token events then go
+through the filter's live ``ChoiceOutputs`` (detokenizer, stop strings, logprobs),
+and vLLM's task turns them into events; each response chunk waits until the task
+waits for the next output, so an event goes out in the reply to the chunk that
+carried its tokens.
+
+Stored responses behave as vLLM 0.33 by default (``VLLM_ENABLE_RESPONSES_API_STORE``
+off): ``store`` is ignored, ``previous_response_id``, ``GET /v1/responses/{id}`` and
+``.../cancel`` answer vLLM's 404. Built-in tools that need several generations in
+one request (vLLM's ``_generate_with_builtin_tools`` loop) are not served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import deque
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from .chat import ChatExchange, Rewrite
+from .derender import ChatStream, step_event
+from .errors import INCOMPLETE, HTTPError, dumps, from_exception, parse_body
+from .model import Model, _EngineStandIn
+from .outputs import ChoiceOutputs, ProducerError
+from .render import Rendered, producer_body
+from .reply import Reply
+
+log = logging.getLogger("derender.responses")
+
+RESPONSES_PATH = "/v1/responses"
+ONE_GENERATION = (
+    "This request needs more than one generation (a built-in tool call inside the request), "
+    "which the filter does not serve: send function tools and run them in the client."
+)
+
+
+class Session:
+    """One Responses request: vLLM's ``create_responses`` as a task, fed the producer's outputs."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.frames: list[bytes] = []
+        self.result: Any = None  # create_responses' return value (a response, an error, or a stream)
+        self.error: BaseException | None = None
+        self.engine_input: Any = None
+        self.params: Any = None
+        self.engine_kwargs: dict[str, Any] = {}
+        self.called = asyncio.Event()  # vLLM asked the engine to generate
+        self.task: asyncio.Task | None = None
+        self._items: deque[Any] = deque()
+        self._ended = False
+        self._failure: BaseException | None = None
+        self._wake = asyncio.Event()
+        self._waiting = asyncio.Event()  # vLLM's generator waits for the next output
+
+    # -- the engine side -----------------------------------------------------------
+    def generate(self, engine_input: Any, params: Any, kwargs: dict[str, Any]) -> Any:
+        if self.called.is_set():
+            raise HTTPError(400, ONE_GENERATION, param="tools")
+        self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
+        self.called.set()
+        return self._outputs()
+
+    async def _outputs(self):
+        while True:
+            while self._items:
+                yield self._items.popleft()
+            if self._failure is not None:
+                raise self._failure
+            if self._ended:
+                return
+            self._wake.clear()
+            self._waiting.set()
+            await self._wake.wait()
+
+    # -- the filter side -----------------------------------------------------------
+    def start(self, serving: Any) -> None:
+        self.task = asyncio.ensure_future(self._run(serving))
+
+    async def _run(self, serving: Any) -> None:
+        try:
+            result = await serving.create_responses(self.request)
+            if hasattr(result, "__aiter__"):
+                async for event in result:
+                    self.frames.append(
+                        f"event: {getattr(event, 'type', 'unknown')}\ndata: "
+                        f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
+                    )
+            else:
+                self.result = result
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
+            self.error = exc
+        finally:
+            _STAND_IN_SESSIONS.pop(self.request.request_id, None)
+
+    @property
+    def done(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    def push(self, outputs: list[Any]) -> None:
+        if outputs:
+            self._items.extend(outputs)
+            self._resume()
+
+    def end(self) -> None:
+        self._ended = True
+        self._resume()
+
+    def fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._resume()
+
+    def _resume(self) -> None:
+        self._waiting.clear()
+        self._wake.set()
+
+    async def settle(self) -> None:
+        """Until vLLM's task waits for the next output, or has ended."""
+        if self.task is None or self.task.done():
+            return
+        waiting = asyncio.ensure_future(self._waiting.wait())
+        try:
+            await asyncio.wait({waiting, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+
+    async def until_called(self) -> None:
+        """Until vLLM asks the engine for outputs, or answers without (an error)."""
+        assert self.task is not None
+        called = asyncio.ensure_future(self.called.wait())
+        try:
+            await asyncio.wait({called, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            called.cancel()
+
+    def take_frames(self) -> bytes:
+        frames, self.frames = self.frames, []
+        return b"".join(frames)
+
+    def cancel(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        _STAND_IN_SESSIONS.pop(self.request.request_id, None)
+
+
+# The sessions of this process, by Responses request id (the engine request id is that plus "_N").
+_STAND_IN_SESSIONS: dict[str, Session] = {}
+
+
+class _ProducerEngine(_EngineStandIn):
+    """What ``OpenAIServingResponses`` reads of an engine: ``generate`` hands out a session's outputs."""
+
+    def generate(self, engine_input: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        session = _STAND_IN_SESSIONS.get(request_id.rsplit("_", 1)[0])
+        if session is None:
+            raise RuntimeError(f"no session for engine request {request_id}")
+        return session.generate(engine_input, params, kwargs)
+
+
+@functools.cache
+def serving_responses(model: Model) -> Any:
+    """vLLM's ``OpenAIServingResponses`` for ``model``, built as ``vllm serve`` builds it."""
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    args = model.args
+    return OpenAIServingResponses(
+        _ProducerEngine(model.vllm_config, model.renderer),  # type: ignore[arg-type]
+        model.registry,  # type: ignore[arg-type]
+        model.online_renderer,
+        request_logger=None,
+        chat_template=model.online_renderer.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        reasoning_parser=args.reasoning_parser or model.vllm_config.structured_outputs_config.reasoning_parser or "",
+        enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser,
+        tool_strict_level=args.tool_strict_level,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        default_chat_template_kwargs=model.online_renderer.default_chat_template_kwargs,
+    )
+
+
+@dataclass
+class RenderedResponse(Rendered):
+    """A Responses request as vLLM rendered it, and its running session."""
+
+    session: Any = None
+
+
+async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -> RenderedResponse:
+    """Validate and render a ``/v1/responses`` body by vLLM's ``create_responses``; raises ``HTTPError``."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+
+    request = parse_body(lambda body: ResponsesRequest.model_validate(body, from_attributes=True), raw)
+    serving = serving_responses(model)
+    session = Session(request)
+    _STAND_IN_SESSIONS[request.request_id] = session
+    session.start(serving)
+    await session.until_called()
+    if not session.called.is_set():  # vLLM answered without generating: an error
+        session.cancel()
+        raise _failure_of(session)
+    kwargs = session.engine_kwargs
+    prompt_ids = list(extract_prompt_components(model.model_config, session.engine_input).token_ids or ())
+    body = producer_body(
+        GenerateRequest(
+            request_id=request.request_id,
+            token_ids=prompt_ids,
+            sampling_params=session.params,
+            model=request.model,
+            stream=bool(request.stream),
+            reasoning_parser_kwargs=kwargs.get("reasoning_parser_kwargs"),
+            reasoning_ended=kwargs.get("reasoning_ended"),
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+        )
+    )
+    return RenderedResponse(
+        request=request,
+        request_id=request.request_id,
+        prompt_token_ids=prompt_ids,
+        params=session.params,
+        body=body,
+        chat_template_kwargs={},
+        conversation=[],
+        session=session,
+    )
+
+
+def _failure_of(session: Session) -> HTTPError:
+    """The error a session ended with, as the client gets it."""
+    if session.error is not None:
+        if isinstance(session.error, HTTPError):
+            return session.error
+        return from_exception(session.error)  # type: ignore[arg-type]
+    result = session.result
+    if hasattr(result, "error"):
+        return HTTPError.from_vllm(result)
+    return HTTPError(500, "internal error in the filter: vLLM's Responses server gave no answer")
+
+
+class ResponsesStream(ChatStream):
+    """A streaming Responses answer: outputs into the session; its events come out of ``flush``."""
+
+    def __init__(self, model: Model, rendered: RenderedResponse) -> None:  # noqa: D107 - no vLLM generator here
+        self.session = rendered.session
+        self.outputs = _outputs(model, rendered, stream=True)
+        self.producer_request_id: str | None = None
+        self.completion_tokens = 0
+        self.finished = False
+
+    def start(self) -> None:
+        pass
+
+    def feed(self, payload: bytes) -> tuple[bytes, bool]:
+        import json
+
+        if self.finished:
+            return b"", False
+        if payload == b"[DONE]":
+            return self.end(), False
+        try:
+            event = json.loads(payload)
+            if not isinstance(event, dict):
+                raise ProducerError("producer event is not a JSON object")
+            if "error" in event:
+                from .derender import producer_error_event
+
+                failure = producer_error_event(event["error"])
+                return self.fail(failure.status, failure.message, failure.type), False
+            outs, abort, tokens = step_event(self.outputs, event)
+            if self.producer_request_id is None:
+                self.producer_request_id = event.get("request_id")
+            self.completion_tokens += tokens
+            self.session.push(outs)
+        except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+            return self.fail(502, f"invalid producer event: {exc}"), False
+        if self.outputs.done:
+            self.session.end()
+            self.finished = True
+        return b"", abort
+
+    def end(self) -> bytes:
+        if self.finished:
+            return b""
+        if not self.outputs.done:
+            return self.fail(502, INCOMPLETE)
+        self.session.end()
+        self.finished = True
+        return b""
+
+    def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
+        """The engine's failure, as vLLM's generator meets it: its error event ends the stream."""
+        if self.finished and self.session.done:
+            return b""
+        from vllm.exceptions import GenerationError
+
+        failure = GenerationError(message)
+        failure.status_code = HTTPStatus(status)
+        self.session.fail(failure)
+        self.finished = True
+        return b""
+
+    async def flush(self) -> bytes:
+        """The events vLLM wrote for the outputs so far."""
+        await self.session.settle()
+        return self.session.take_frames()
+
+    def close(self) -> None:
+        self.finished = True
+        self.session.cancel()
+
+
+def _outputs(model: Model, rendered: RenderedResponse, *, stream: bool) -> ChoiceOutputs:
+    return ChoiceOutputs(
+        model.tokenizer,
+        rendered.request_id,
+        rendered.prompt_token_ids,
+        rendered.params,
+        stream=stream,
+        vocab_size=model.model_config.get_vocab_size(),
+    )
+
+
+async def response_object(model: Model, rendered: RenderedResponse, final: Any) -> bytes:
+    """Non-streaming: the final ``RequestOutput`` into the session; vLLM's response JSON."""
+    session = rendered.session
+    session.push([final])
+    session.end()
+    assert session.task is not None
+    await asyncio.shield(session.task)
+    result = session.result
+    if session.error is not None or result is None or hasattr(result, "error"):
+        raise _failure_of(session)
+    return dumps(result.model_dump(mode="json", by_alias=True))
+
+
+class ResponsesExchange(ChatExchange):
+    """One ``/v1/responses`` exchange: ``ChatExchange`` around a vLLM Responses session."""
+
+    render = staticmethod(render_responses)
+    stream_class = ResponsesStream
+    full_response = staticmethod(response_object)
+    endpoint = "responses"
+
+    async def request_body(self, body: bytes) -> Rewrite:
+        rewrite = await super().request_body(body)
+        rewrite.then = None  # the stream's state is the session, already running
+        return rewrite
+
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        out = super().response_chunk(chunk, end)
+        if asyncio.iscoroutine(out):
+            out = await out
+        if isinstance(self.stream, ResponsesStream):
+            out += await self.stream.flush()
+        return out
+
+    def response_headers(self, status: int, upstream: str | None = None):
+        start = super().response_headers(status, upstream)
+        if status != 200 and self.rendered is not None:
+            self.rendered.session.cancel()  # the producer refused: nothing will feed it
+        return start
+
+    def close(self, complete: bool) -> None:
+        super().close(complete)
+        if self.rendered is not None and not (self.rendered.stream and complete):
+            session = self.rendered.session
+            if not session.done:
+                session.cancel()
+
+    @staticmethod
+    def completion_texts(sent: bytes, stream: bool) -> list[str]:
+        import json
+
+        if not stream:
+            try:
+                output = json.loads(sent).get("output") or ()
+            except (ValueError, AttributeError):
+                return []
+            parts = []
+            for item in output:
+                for content in item.get("content") or ():
+                    parts.append(content.get("text") or "")
+                parts.append(item.get("arguments") or "")
+            return ["".join(parts)]
+        parts = []
+        for line in sent.split(b"\n"):
+            if line.startswith(b"data: ") and b".delta" in line:
+                try:
+                    parts.append(json.loads(line[6:]).get("delta") or "")
+                except (ValueError, AttributeError):
+                    continue
+        return ["".join(parts)]
+
+
+class StoredResponseExchange:
+    """``GET /v1/responses/{id}`` and ``POST .../cancel``: vLLM's answers from its store (off: 404)."""
+
+    stream = None
+
+    def __init__(self, model: Model, response_id: str, cancel: bool) -> None:
+        self.model = model
+        self.response_id = response_id
+        self.cancel = cancel
+
+    async def answer(self) -> Reply:
+        serving = serving_responses(self.model)
+        if self.cancel:
+            result = await serving.cancel_responses(self.response_id)
+        else:
+            result = await serving.retrieve_responses(self.response_id, starting_after=None, stream=False)
+        if hasattr(result, "error"):
+            error = HTTPError.from_vllm(result)
+            return Reply(error.status, error.body())
+        return Reply(200, dumps(result.model_dump(mode="json", by_alias=True)))
