@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -93,10 +94,12 @@ class Session:
         self.task = asyncio.ensure_future(self._run(serving))
 
     async def _run(self, serving: Any) -> None:
+        sequence = -1  # of the last event sent
         try:
             result = await serving.create_responses(self.request)
             if hasattr(result, "__aiter__"):
                 async for event in result:
+                    sequence = getattr(event, "sequence_number", sequence)
                     self.frames.append(
                         f"event: {getattr(event, 'type', 'unknown')}\ndata: "
                         f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
@@ -107,6 +110,13 @@ class Session:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
             self.error = exc
+            if self._failure is not None and self.request.stream:
+                # vLLM 0.33.0 meets an engine failure mid-stream by validating a chat-shaped
+                # error as a Responses event, which fails: its own server then cuts the stream
+                # with no event at all. The client gets the Responses error event instead.
+                if not isinstance(self._failure, HTTPError):
+                    log.debug("vLLM's Responses stream ended in %r", exc)
+                self.frames.append(_error_event(self._failure, sequence + 1))
         finally:
             _STAND_IN_SESSIONS.pop(self.request.request_id, None)
 
@@ -158,6 +168,14 @@ class Session:
         if self.task is not None and not self.task.done():
             self.task.cancel()
         _STAND_IN_SESSIONS.pop(self.request.request_id, None)
+
+
+def _error_event(failure: BaseException, sequence: int) -> bytes:
+    """The Responses API's ``error`` event for an engine failure (its status as the code)."""
+    status = getattr(failure, "status_code", None) or getattr(failure, "status", 500)
+    data = {"type": "error", "code": str(int(status)), "message": str(failure), "param": None,
+            "sequence_number": sequence}
+    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 # The sessions of this process, by Responses request id (the engine request id is that plus "_N").
@@ -273,8 +291,6 @@ class ResponsesStream(ChatStream):
         pass
 
     def feed(self, payload: bytes) -> tuple[bytes, bool]:
-        import json
-
         if self.finished:
             return b"", False
         if payload == b"[DONE]":
@@ -391,8 +407,6 @@ class ResponsesExchange(ChatExchange):
 
     @staticmethod
     def completion_texts(sent: bytes, stream: bool) -> list[str]:
-        import json
-
         if not stream:
             try:
                 output = json.loads(sent).get("output") or ()

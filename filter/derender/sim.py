@@ -16,7 +16,10 @@ Answers come from one of two modes:
   ``{"index": 0, "token_ids": [...], "finish_reason": "stop", "stop_reason": null,
   "chunks": [2, 1, 3], "logprobs": [{"logprob": -0.1, "top": [[id, lp], ...],
   "rank": 1}, ...]}`` (all but token_ids optional). Choices missing for n > 1
-  reuse the first line.
+  reuse the first line. Lines with ``"when": "TEXT"`` answer only prompts whose
+  decoded text contains TEXT (and then the lines without ``when`` do not): one
+  script for each turn of an agent's exchange, e.g. a tool call, then an answer
+  once the prompt holds the tool's result.
 
 Like vLLM, the request's ``stop_token_ids`` and ``max_tokens`` cut the answer (a
 stop token beats the length cap on the same step). ``abort_requests`` takes
@@ -302,8 +305,12 @@ class Simulator:
             lines = {0: {"token_ids": self._echo_answer(body["token_ids"])}}
         else:
             text = Path(self.script).read_text()
-            lines = {line.get("index", i): line for i, line in
-                     enumerate(json.loads(s) for s in text.splitlines() if s.strip())}
+            parsed = [json.loads(s) for s in text.splitlines() if s.strip()]
+            if any("when" in line for line in parsed):  # the answers of a multi-turn exchange
+                prompt = self.tokenizer.decode(body["token_ids"], skip_special_tokens=False)
+                matching = [line for line in parsed if "when" in line and line["when"] in prompt]
+                parsed = matching or [line for line in parsed if "when" not in line]
+            lines = {line.get("index", i): line for i, line in enumerate(parsed)}
             if not lines:
                 raise ValueError(f"{self.script} has no choices")
         rng = random.Random(self.seed) if self.seed is not None else None
