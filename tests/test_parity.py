@@ -77,7 +77,7 @@ def table():
     table = ParityTable()
     yield table
     if path := os.environ.get("DERENDER_PARITY_TABLE"):
-        table.write(path, list(CASES), COMMAND)
+        table.write(path, [*CASES, *(MESSAGES + n for n in MESSAGES_CASES), *(RESPONSES + n for n in RESPONSES_CASES)], COMMAND)
 
 
 def as_tuples(steps: list[Step]) -> list[tuple]:

@@ -250,3 +250,30 @@ def test_a_client_that_goes_away_aborts_the_producer_request(agents, qwen3_token
             if ".delta" in line:
                 break
     wait_for(lambda: len(agents.sim_aborted()) > before, "the producer request's abort", timeout=30)
+
+
+@pytest.mark.parametrize("tool", [{"type": "mcp", "server_label": "files", "server_url": "http://127.0.0.1:1/mcp"},
+                                  {"type": "code_interpreter", "container": {"type": "auto"}}], ids=["mcp", "code_interpreter"])
+def test_builtin_tools_that_run_inside_the_request_are_refused(agents, tool):
+    before = agents.sim_received()
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk(agents).responses.create(model="qwen3", input=QUESTION, tools=[WEATHER, tool])
+    assert info.value.body["param"] == "tools" and f"tools[1] is a built-in tool ('{tool['type']}')" in info.value.body["message"]
+    assert agents.sim_received() == before
+
+
+def test_hosted_tools_beside_functions_are_left_to_vllm(agents, qwen3_tokenizer, qwen3_dir):
+    """Codex-style tool lists mix functions with hosted tools: vLLM without a tool server renders
+    the functions only; the prompt is the one vLLM's /v1/responses/render makes."""
+    from reference import CoupledChat
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    two_turns(agents, qwen3_tokenizer)
+    tools = [WEATHER, {"type": "web_search"}, {"type": "image_generation"}]
+    response = sdk(agents).responses.create(model="qwen3", input=QUESTION, tools=tools)
+    assert parts(response)["calls"] == [("get_weather", {"city": "Paris 🗼"})]
+    coupled = CoupledChat(qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
+                          "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    rendered = asyncio.run(coupled.state.serving_render.render_responses_request(
+        ResponsesRequest.model_validate({"model": "qwen3", "input": QUESTION, "tools": tools})))
+    assert agents.sim_requests()[-1]["token_ids"] == list(rendered.token_ids)

@@ -47,7 +47,7 @@ RESPONSES_PATH = "/v1/responses"
 ONE_GENERATION = (
     "This request needs more than one generation (a built-in tool call inside the request), "
     "which the filter does not serve: send function tools and run them in the client."
-)
+)  # vLLM asks for a second generation only with a tool server, which the filter does not have
 
 
 class Session:
@@ -230,6 +230,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
     from vllm.renderers.inputs.preprocess import extract_prompt_components
 
     request = parse_body(lambda body: ResponsesRequest.model_validate(body, from_attributes=True), raw)
+    refuse_builtin_tools(request)
     serving = serving_responses(model)
     session = Session(request)
     _STAND_IN_SESSIONS[request.request_id] = session
@@ -263,6 +264,24 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         conversation=[],
         session=session,
     )
+
+
+# Tools a coupled vLLM runs itself (``--tool-server``), generating again with their output inside
+# the one request. The filter has no tool server, and one request is one producer request.
+BUILTIN_TOOLS = ("mcp", "code_interpreter", "container")
+NO_BUILTIN_TOOLS = (
+    "tools[{index}] is a built-in tool ({kind!r}), which runs inside the request between generations: "
+    "not served here (one request is one producer request). Send it as a function tool and run it in the client."
+)
+
+
+def refuse_builtin_tools(request: Any) -> None:
+    """A 400 naming the first built-in tool of the request. Hosted tools with no such loop in vLLM
+    (``web_search``, ``image_generation``, ...) are left to vLLM, which ignores them without a tool server."""
+    for index, tool in enumerate(request.tools or ()):
+        kind = getattr(tool, "type", None)
+        if kind in BUILTIN_TOOLS:
+            raise HTTPError(400, NO_BUILTIN_TOOLS.format(index=index, kind=kind), param="tools")
 
 
 def _failure_of(session: Session) -> HTTPError:
