@@ -227,3 +227,26 @@ def test_no_prompt_or_completion_text_in_logs(sim):
     text = filter_log.read_text(errors="replace")
     assert canary not in text
     assert canary not in envoy_log.read_text(errors="replace")
+
+
+def test_logs_name_the_client_path_and_a_refused_request_model(sim):
+    """Envoy's access log shows the path the client asked for (every producer request is
+    rewritten to /inference/v1/generate), and a refused request's log line names its model."""
+    sim.sim_config(mode="echo")
+    rids = {path: f"path-{uuid.uuid4().hex}" for path in ("/chat/completions", "/messages", "/completions")}
+    bodies = {"/chat/completions": chat(), "/messages": {**chat(), "max_tokens": 10},
+              "/completions": {"model": "qwen3", "prompt": "hi", "max_tokens": 5}}
+    for path, rid in rids.items():
+        assert httpx.post(sim.base_url + path, json=bodies[path], headers={"x-request-id": rid}, timeout=30).status_code == 200
+    refused = f"refused-{uuid.uuid4().hex}"
+    r = httpx.post(sim.base_url + "/chat/completions", json={**chat(), "temperature": "hot"}, headers={"x-request-id": refused}, timeout=30)
+    assert r.status_code == 400
+    envoy_log, filter_log = sim.proc("envoy").log, sim.proc("filter").log
+    wait_for(lambda: all(rid in envoy_log.read_text(errors="replace") for rid in rids.values()), "the access log lines")
+    lines = envoy_log.read_text(errors="replace").splitlines()
+    for path, rid in rids.items():
+        line = next(line for line in lines if rid in line)
+        assert f'"POST /v1{path} HTTP/1.1" 200' in line, line
+    wait_for(lambda: refused in filter_log.read_text(errors="replace"), "the refused request's log line")
+    line = next(line for line in filter_log.read_text(errors="replace").splitlines() if refused in line)
+    assert "model=qwen3" in line and "status=400" in line, line

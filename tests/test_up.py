@@ -83,12 +83,13 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
             up.kill()
 
 
-def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):
+def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):  # (qwen3_dir: fetched)
     """A double Ctrl-C, or SIGTERM from make and a supervisor at once: signals that arrive while
-    `derender up` is already stopping its children must not break off the stop path."""
+    `derender up` is already stopping its children must not break off the stop path. Started as
+    `make up` starts it (no --model): the default model is served by its name."""
     port = free_port()
     up = subprocess.Popen(
-        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port)],
+        [str(BIN / "derender"), "up", "--port", str(port)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -100,6 +101,7 @@ def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):
         names = {c.pid: " ".join(c.cmdline()) for c in children}
         envoy = [c for c in children if c.name() == "envoy"]
         assert envoy and any(" sim " in f" {n} " for n in names.values()), names
+        assert [m.id for m in OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused").models.list().data] == ["qwen3"]
         up.send_signal(signal.SIGINT)
         # Envoy is stopped first: once it is gone, up is inside its stop path. From then on,
         # more signals until up returns.

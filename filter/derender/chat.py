@@ -76,6 +76,7 @@ class ChatExchange:
         self._body_at: float | None = None  # seconds from the request's headers to its body
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
+        self._asked_model: str | None = None  # a refused request's "model", for its log line
 
     @staticmethod
     def completion_texts(sent: bytes, stream: bool) -> list[str]:
@@ -97,10 +98,12 @@ class ChatExchange:
             self._render_time = time.monotonic() - started
         except HTTPError as exc:
             self.client_status = exc.status
+            self._asked_model = model_named(body)
             raise
         except Exception as exc:  # vLLM raises some validation errors (e.g. tool_choice) past pydantic
             error = from_exception(exc)
             self.client_status = error.status
+            self._asked_model = model_named(body)
             raise error from None
         return Rewrite(
             body=self.rendered.body,
@@ -317,7 +320,7 @@ class ChatExchange:
             {
                 "request_id": rendered.request_id if rendered else None,
                 "x_request_id": self.x_request_id,
-                "model": (rendered.request.model or self.model.name) if rendered else None,
+                "model": (rendered.request.model or self.model.name) if rendered else self._asked_model,
             },
             tail,
             started=self._started,
@@ -338,6 +341,15 @@ class ChatExchange:
             self.x_request_id, self.rendered.request_id
         )
         self.producer.abort_soon(request_id, why, self._upstream)
+
+
+def model_named(body: bytes) -> str | None:
+    """The ``model`` a request body names, if it is a JSON object naming one (for logs)."""
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return model[:200] if isinstance(model, str) else None
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -190,6 +190,9 @@ class ModelExchange:
         result = await self.inner.request_body(body)
         if isinstance(result, Rewrite):
             result.set_headers[CLUSTER_HEADER] = backend.cluster
+            # Envoy's access log prints this header in place of the rewritten path when present:
+            # there, requests read as what the client asked for, not all as /inference/v1/generate.
+            result.set_headers["x-envoy-original-path"] = self.path
         return result
 
     def response_headers(self, status: int, upstream: str | None = None) -> Any:

@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"derender: {exc}", file=sys.stderr, flush=True)
             return 1
-    elif not args.model:
+    elif not args.model:  # the default model, served by its name as the compose stack serves it
         args.model = str(assets.fetch("qwen3"))
+        args.served_model_name = args.served_model_name or ["qwen3"]
     derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     stack = Stack()
 
