@@ -31,6 +31,10 @@ def session(limit: int = 0) -> aiohttp.ClientSession:
     )
 
 
+# How a finished stream ends: chat and completions, Anthropic Messages, OpenAI Responses.
+ENDINGS = (b"data: [DONE]\n\n", b'{"type":"message_stop"}\n\n', b'"type":"response.completed"}\n\n')
+
+
 async def stream_one(http: aiohttp.ClientSession, url: str, body: bytes, keep: bool = False) -> Stream:
     result = Stream(start=time.monotonic())
     tail = b""
@@ -39,11 +43,11 @@ async def stream_one(http: aiohttp.ClientSession, url: str, body: bytes, keep: b
         result.status = response.status
         async for data in response.content.iter_any():
             result.reads.append(time.monotonic())
-            tail = (tail + data)[-16:]
+            tail = (tail + data)[-64:]
             if keep:
                 parts.append(data)
     result.end = time.monotonic()
-    result.done = tail.endswith(b"data: [DONE]\n\n")
+    result.done = tail.endswith(ENDINGS)
     result.body = b"".join(parts)
     return result
 

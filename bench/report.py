@@ -146,6 +146,7 @@ def markdown(r: dict) -> str:
          "vLLM p50 call, last 10 % (ms)", "same output"],
         rows,
     )
+    out += [""] + agent_rows(r)
 
     ttft = r.get("ttft", {})
     out += [
@@ -184,6 +185,46 @@ def markdown(r: dict) -> str:
     if hot.get("profile"):
         out += ["## Hot path profile (cProfile, longest stream, translation only)", "", "```", hot["profile"].strip()[:6000], "```", ""]
     return "\n".join(out)
+
+
+def agent_rows(r: dict) -> list[str]:
+    """The chat / Messages / Responses CPU-per-token table (``agent_lengths``)."""
+    agents = r.get("agent_lengths") or {}
+    if not agents:
+        return []
+    rows = []
+    for n in sorted(agents, key=int):
+        cpu = {e: run.get("cpu_us_per_token", {}).get("server") for e, run in agents[n].items()}
+        chat = cpu.get("chat")
+        rows.append([str(n), num(chat), num(cpu.get("messages")), num(cpu.get("responses")),
+                     num(cpu["messages"] / chat, 2) if chat and cpu.get("messages") else "-",
+                     num(cpu["responses"] / chat, 2) if chat and cpu.get("responses") else "-"])
+    plan = r.get("plan", {})
+    return [
+        "## The agent APIs beside chat, qwen3 + hermes, reasoning + tool-call streams",
+        "",
+        (f"The filter's CPU per token (its processes, gRPC included; {plan.get('length_streams')} streams at once "
+         "through Envoy) for the same token streams asked for through `/v1/chat/completions`, `/v1/messages` "
+         "(vLLM's Anthropic converter over the chat stream) and `/v1/responses` (vLLM's Responses server, "
+         "driven as a task per request). Same server, interleaved by length."),
+        "",
+        *table(["tokens per stream", "chat us/token", "messages us/token", "responses us/token",
+                "messages / chat", "responses / chat"], rows),
+        "",
+    ]
+
+
+def agents_markdown(r: dict) -> str:
+    """The report of a ``--only agents`` run."""
+    env = r.get("env", {})
+    head = [
+        "# derender benchmark: the agent APIs",
+        "",
+        f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs; command: "
+        "`.venv/bin/python bench/run.py --only agents --out bench/AGENTS.md`.",
+        "",
+    ]
+    return "\n".join(head + agent_rows(r))
 
 
 def targets(r: dict) -> list[str]:

@@ -95,8 +95,9 @@ class Config:
     name: str
     envoy: procs.Envoy
     server: procs.Proc | None
-    chat: bool  # True: /v1/chat/completions (the filter); False: the producer request itself
+    chat: bool  # True: a client endpoint of the filter; False: the producer request itself
     tools: bool = False
+    endpoint: str = "chat"  # which client endpoint: chat, messages (Anthropic) or responses (OpenAI)
 
 
 @dataclass
@@ -195,6 +196,9 @@ class Bench:
     def request(self, config: Config) -> tuple[str, bytes]:
         """URL and body for one stream of ``config``."""
         chat = streams.chat_request(SERVED, config.tools)
+        if config.chat and config.endpoint != "chat":
+            body = streams.agent_request(chat, config.endpoint)
+            return config.envoy.url + f"/v1/{config.endpoint}", json.dumps(body).encode()
         if config.chat:
             return config.envoy.url + "/v1/chat/completions", json.dumps(chat).encode()
         return config.envoy.url + "/inference/v1/generate", json.dumps(self.generate_request(chat)).encode()
@@ -310,6 +314,22 @@ class Bench:
             run["fold"] = streams.digest(streams.fold(streams.sse_events(body)))
             out[n] = strip(run)
             log(f"  ours {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
+        return out
+
+    def agent_lengths(self) -> dict:
+        """Ours, qwen3 + hermes: CPU per token by stream length for the same token streams asked
+        for through /v1/chat/completions, /v1/messages and /v1/responses (one server, interleaved)."""
+        plan = self.plan
+        self.sim_config(delay=plan.length_delay)
+        hermes = self.configs["hermes"]
+        out: dict = {}
+        for n in plan.lengths:
+            self.write_script(streams.reasoning_tool_call(self.model_dir, n))
+            for endpoint in ("chat", "messages", "responses"):
+                config = Config(f"hermes-{endpoint}", hermes.envoy, hermes.server, chat=True, tools=True, endpoint=endpoint)
+                run = self.run_streams(config, plan.length_streams, plan.length_streams, n)
+                out.setdefault(n, {})[endpoint] = strip(run)
+                log(f"  {endpoint} {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
         return out
 
     def vllm_derender(self) -> None:
@@ -486,6 +506,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the one `derender fetch` got)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes per ext_proc server")
     parser.add_argument("--out", default=None, help="where the report goes (default: bench/RESULTS.md; --quick: nowhere)")
+    parser.add_argument("--only", choices=["agents"], default=None,
+                        help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min)")
     args = parser.parse_args()
     plan = Plan.quick() if args.quick else Plan()
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
@@ -494,10 +516,14 @@ def main() -> int:
     try:
         bench.start()
         partial = procs.LOGS / f"results-{os.getpid()}.json"
+        if args.only == "agents":
+            log("phase: agent_lengths")
+            results["agent_lengths"] = bench.agent_lengths()
+            return finish(args, results)
         # vLLM's derender streams take minutes of one core. Latency, throughput and time to first
         # token need the machine to themselves: the streams run (on their own simulator and server)
         # beside the lengths phase, which counts CPU per process.
-        for phase in ("latency", "throughput", "vllm_start", "lengths", "vllm_done", "ttft"):
+        for phase in ("latency", "throughput", "vllm_start", "lengths", "vllm_done", "agent_lengths", "ttft"):
             if phase == "vllm_start":
                 bench.vllm_thread.start()
                 continue
@@ -513,8 +539,13 @@ def main() -> int:
         results["hot_path"] = bench.hot_path()
     finally:
         bench.stop()
+    return finish(args, results)
+
+
+def finish(args: argparse.Namespace, results: dict) -> int:
+    """Write the report of ``results``."""
     results["env"]["wall_minutes"] = (time.monotonic() - START) / 60
-    text = report.markdown(results)
+    text = report.agents_markdown(results) if args.only == "agents" else report.markdown(results)
     print(text)
     out = args.out or ("-" if args.quick else str(BENCH / "RESULTS.md"))
     if out != "-":

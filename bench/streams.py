@@ -86,6 +86,22 @@ def chat_request(model: str, tools: bool, prompt: str | None = None, max_tokens:
     return body
 
 
+def agent_request(chat: dict, endpoint: str) -> dict:
+    """``chat`` as the same question to /v1/messages (Anthropic) or /v1/responses (OpenAI)."""
+    system = next(m["content"] for m in chat["messages"] if m["role"] == "system")
+    turns = [m for m in chat["messages"] if m["role"] != "system"]
+    tools = [t["function"] for t in chat.get("tools") or ()]
+    if endpoint == "messages":
+        body = {"model": chat["model"], "system": system, "messages": turns, "max_tokens": chat["max_tokens"], "stream": True}
+        if tools:
+            body["tools"] = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in tools]
+        return body
+    body = {"model": chat["model"], "instructions": system, "input": turns, "max_output_tokens": chat["max_tokens"], "stream": True}
+    if tools:
+        body["tools"] = [{"type": "function", **t} for t in tools]
+    return body
+
+
 def prompt_of(model_dir: str, n: int) -> str:
     """A user message of about ``n`` tokens."""
     parts: list[str] = []
