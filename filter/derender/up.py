@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
         metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
+        if getattr(args, "responses_store", None):
+            keys += ["--responses-store", args.responses_store]
         flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics, *keys])
         flt.wait(lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
 
