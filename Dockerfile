@@ -13,7 +13,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 COPY filter/derender /src/derender
 ENV PYTHONPATH=/src DERENDER_CACHE=/opt/derender/cache
-RUN python -c "import sys; from derender import assets; sys.exit(assets.main(['qwen3']))"
+RUN python -c "import sys; from derender.ops import assets; sys.exit(assets.main(['qwen3']))"
 
 # Stage 2: the filter.
 FROM ${PYTHON_IMAGE}

@@ -19,15 +19,15 @@ import asyncio
 import logging
 
 import grpc
-from derender import workers
-from derender.chat import ChatExchange
+from derender.ops import workers
+from derender.endpoints.chat import ChatExchange
 from derender.cli import add_model_arguments, model_spec
-from derender.errors import HTTPError
-from derender.extproc import ExternalProcessor, _header_map, immediate
+from derender.translate.errors import HTTPError
+from derender.extproc.server import ExternalProcessor, _header_map, immediate
 from derender.health import add_health
-from derender.model import Model
-from derender.producer import UPSTREAM_HEADER, Producer
-from derender.routes import Reply, Router
+from derender.translate.model import Model
+from derender.routing.producer import UPSTREAM_HEADER, Producer
+from derender.routing.routes import Reply, Router
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 import yaml
-from derender import envoy_config
-from derender.children import Child, free_port, http_ok, tcp_open  # noqa: F401 (the bench's helpers)
+from derender.ops import envoy_config
+from derender.ops.children import Child, free_port, http_ok, tcp_open  # noqa: F401 (the bench's helpers)
 
 BENCH = Path(__file__).resolve().parent
 LOGS = Path(tempfile.gettempdir()) / "derender-bench-logs"

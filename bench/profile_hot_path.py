@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pydantic_core
 import streams
-from derender import assets
+from derender.ops import assets
 from derender.sim import Simulator, _Choice
 
 HERMES = ("qwen3", "hermes")
@@ -46,7 +46,7 @@ def events(token_ids: list[int]) -> list[bytes]:
 
 
 async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple[float, bytes]:
-    from derender.chat import ChatExchange
+    from derender.endpoints.chat import ChatExchange
 
     exchange = ChatExchange(model, producer, None)
     await exchange.request_body(chat)
@@ -63,7 +63,7 @@ async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple
 
 def hermes_model(model_dir: str):
     """Qwen3 with the qwen3 reasoning parser and the hermes tool parser, as the bench serves it."""
-    from derender.model import Model, ModelSpec
+    from derender.translate.model import Model, ModelSpec
 
     spec = ModelSpec(
         model=model_dir,
@@ -77,7 +77,7 @@ def hermes_model(model_dir: str):
 
 
 async def measure(model, model_dir: str, lengths: list[int], repeat: int, profile: bool) -> dict:
-    from derender.producer import Producer
+    from derender.routing.producer import Producer
 
     producer = Producer("http://127.0.0.1:9")
     chat = json.dumps(streams.chat_request("qwen3", tools=True)).encode()

@@ -46,7 +46,7 @@ import load
 import procs
 import report
 import streams
-from derender import assets
+from derender.ops import assets
 
 SERVED = "qwen3"
 HERMES_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]

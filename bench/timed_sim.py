@@ -18,7 +18,8 @@ import json
 import time
 
 from aiohttp import web
-from derender import assets, sim
+from derender.ops import assets
+from derender import sim
 
 _writes: list[float] = []
 _recording = False

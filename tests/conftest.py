@@ -10,7 +10,7 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from derender import assets  # noqa: E402
+from derender.ops import assets  # noqa: E402
 
 from stack import Stack  # noqa: E402
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from derender import assets
+from derender.ops import assets
 from parity_cases import ANSWERS, Answers
 from reference import CoupledChat
 from stack import Stack

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from derender import envoy_config
-from derender.children import Child, free_port, http_ok, tcp_open
+from derender.ops import envoy_config
+from derender.ops.children import Child, free_port, http_ok, tcp_open
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = Path(os.environ.get("DERENDER_TEST_LOGS", tempfile.gettempdir())) / "derender-test-logs"

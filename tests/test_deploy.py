@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from derender import envoy_config
+from derender.ops import envoy_config
 from derender.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def _producer_clusters() -> str:
     """Two producer clusters, as ``derender up --config`` writes them for ``envoy/multi.yaml``."""
     import tempfile
 
-    from derender import config
+    from derender.routing import config
 
     text = """
 models:

@@ -11,7 +11,7 @@ tokens skipped or kept and with or without spaces between them.
 
 from __future__ import annotations
 
-from derender.outputs import PRIMING_TAIL
+from derender.translate.outputs import PRIMING_TAIL
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -50,7 +50,7 @@ def detokenizer(tokenizer, prompt: list[int], skip_special_tokens: bool, spaces_
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), skip=st.booleans(), spaces=st.booleans())
 def test_tail_priming_gives_vllms_text(hf_tokenizer, data, skip, spaces):
-    from derender.outputs import prime_with_tail
+    from derender.translate.outputs import prime_with_tail
 
     head = data.draw(ids_strategy(hf_tokenizer, 40), label="head")  # what falls before the tail
     prompt = FILLER(hf_tokenizer) + head + data.draw(ids_strategy(hf_tokenizer, 20), label="prompt end")
@@ -69,7 +69,7 @@ def FILLER(tokenizer) -> list[int]:
 
 def test_tail_priming_is_used_for_a_plain_long_prompt(hf_tokenizer):
     """The guard does not refuse ordinary prompts (else the test above proves nothing new)."""
-    from derender.outputs import prime_with_tail
+    from derender.translate.outputs import prime_with_tail
 
     prompt = hf_tokenizer.encode("A long prompt about nothing in particular. " * 20, add_special_tokens=False)
     ours = detokenizer(hf_tokenizer, prompt, True, True)

@@ -1,4 +1,4 @@
-"""Long prompts tokenized in pieces (``derender.longprompt``) give exactly vLLM's token ids.
+"""Long prompts tokenized in pieces (``derender.translate.longprompt``) give exactly vLLM's token ids.
 
 The oracle is the tokenizer's own one-call encoding of the whole text, the call
 vLLM's renderer makes. Hypothesis builds long texts from text in many scripts,
@@ -15,7 +15,7 @@ import json
 import math
 
 import pytest
-from derender import longprompt
+from derender.translate import longprompt
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -51,7 +51,7 @@ def test_pieces_give_the_whole_texts_ids(hf_tokenizer, segments):
 @pytest.fixture(scope="module")
 def models(qwen3_dir):
     """The filter's model (pieces installed) and one whose renderer is vLLM's, untouched."""
-    from derender.model import Model, ModelSpec
+    from derender.translate.model import Model, ModelSpec
 
     spec = ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=16384)
     ours = Model(spec)
@@ -66,7 +66,7 @@ def models(qwen3_dir):
 
 @pytest.mark.parametrize("truncate", [None, 5000, -1])
 def test_a_long_chat_renders_to_vllms_prompt(models, qwen3_tokenizer, truncate):
-    from derender.render import render_chat
+    from derender.translate.render import render_chat
 
     ours, plain = models
     text = "Tell me about it. " + "The report lists revenue, costs and risks per region; 12 of 40 items are late. " * 600

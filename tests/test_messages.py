@@ -198,7 +198,7 @@ def test_a_client_that_goes_away_aborts_the_producer_request(agents, qwen3_token
 
 
 def test_render_tier_mode_refuses_messages_clearly():
-    from derender.routes import TIER_HAS_NO_MESSAGES, Backend
+    from derender.routing.routes import TIER_HAS_NO_MESSAGES, Backend
 
     backend = Backend(["m"], producer=None, render_url="http://127.0.0.1:1")  # type: ignore[arg-type]
     reply = asyncio.run(backend.exchange("/v1/messages", None).request_body(b"{}"))

@@ -21,7 +21,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from derender import config, envoy_config
+from derender.routing import config
+from derender.ops import envoy_config
 from openai import OpenAI
 from stack import LOGS, free_port, http_get, start_sim, wait_for
 

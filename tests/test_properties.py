@@ -24,7 +24,7 @@ import json
 import httpx
 import pydantic_core
 import pytest
-from derender.sse import SSEDecoder, SSEError
+from derender.translate.sse import SSEDecoder, SSEError
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -114,13 +114,13 @@ def test_sse_garbage_line_is_an_error_never_a_lost_event(before, garbage, cuts):
 # -- the filter's response path, in process ---------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_model(qwen3_dir):
-    from derender.model import Model, ModelSpec
+    from derender.translate.model import Model, ModelSpec
 
     return Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=4096))
 
 
 def render(model, n: int):
-    from derender.render import render_chat
+    from derender.translate.render import render_chat
 
     body = {
         "model": "qwen3",
@@ -167,7 +167,7 @@ def producer_stream(choices: list[list[int]], sizes: list[int], finish_only_tail
 
 def through_filter(model, rendered, pieces: list[bytes]) -> bytes:
     """The filter's response path for one stream, fed these body chunks as Envoy would."""
-    from derender.chat import ChatExchange
+    from derender.endpoints.chat import ChatExchange
 
     exchange = ChatExchange(model, None, None)  # no producer: nothing may need aborting here
     exchange.rendered = rendered

@@ -241,8 +241,8 @@ def test_an_abort_reaches_the_replica_that_runs_the_request(sim, script, qwen3_t
 def test_an_abort_falls_back_to_the_configured_producers(sim, two_replicas):
     """A replica that cannot be reached (or no replica named): the abort goes to --producer, or to every
     producer of a cluster; a reachable replica gets it alone."""
-    from derender.producer import Producer
-    from derender.routes import ClusterProducers
+    from derender.routing.producer import Producer
+    from derender.routing.routes import ClusterProducers
 
     _, second_url = two_replicas
     gone = f"127.0.0.1:{free_port()}"
@@ -268,7 +268,7 @@ def test_an_abort_falls_back_to_the_configured_producers(sim, two_replicas):
 
 
 def test_replica_address_from_envoy():
-    from derender.producer import replica_url
+    from derender.routing.producer import replica_url
 
     assert replica_url("https://producers.svc:8000", "10.1.2.3:8000") == "https://10.1.2.3:8000"
     assert replica_url("http://producers:8000", "[fd00::5]:8000") == "http://[fd00::5]:8000"

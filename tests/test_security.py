@@ -104,7 +104,7 @@ def test_no_key_configured_means_open(sim):
 
 def test_key_sources_and_precedence(monkeypatch):
     """--api-key (repeatable) wins over $DERENDER_API_KEYS, as --api-key wins over $VLLM_API_KEY in vLLM."""
-    from derender import auth
+    from derender.ops import auth
     from derender.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b"])

@@ -25,7 +25,7 @@ IM_END = 151645
 
 @pytest.fixture(scope="module")
 def hermes_model(qwen3_dir):
-    from derender.model import Model, ModelSpec
+    from derender.translate.model import Model, ModelSpec
 
     return Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=4096,
                            reasoning_parser="qwen3", tool_call_parser="hermes", enable_auto_tool_choice=True))
@@ -73,8 +73,8 @@ async def end_stall(exchange) -> bytes:
 
 @pytest.mark.parametrize("end", [end_client_gone, end_producer_error, end_invalid_event, end_body_cut, end_stall])
 def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_tokenizer, end, monkeypatch):
-    from derender import stall
-    from derender.chat import ChatExchange
+    from derender.translate import stall
+    from derender.endpoints.chat import ChatExchange
 
     monkeypatch.setattr(stall, "STALL_TIMEOUT", 0.1)
 
@@ -120,7 +120,7 @@ def leftovers() -> list[str]:
 @pytest.mark.parametrize("answer", ["client gone", "producer error", "answered, then cut"])
 def test_a_stream_built_ahead_and_never_used_is_shut(hermes_model, answer):
     """The stream state built while the producer is reached, when no stream follows."""
-    from derender.chat import ChatExchange
+    from derender.endpoints.chat import ChatExchange
 
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     errors: list[dict] = []
@@ -155,7 +155,7 @@ def test_a_stream_built_ahead_and_never_used_is_shut(hermes_model, answer):
 
 
 def test_a_request_that_does_not_stream_builds_nothing_ahead(hermes_model):
-    from derender.chat import ChatExchange
+    from derender.endpoints.chat import ChatExchange
 
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -1,4 +1,4 @@
-"""Each worker renders one request before it listens (``derender.warmup``), for every kind of model."""
+"""Each worker renders one request before it listens (``derender.ops.warmup``), for every kind of model."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def model(request):
-    from derender import assets
-    from derender.model import Model, ModelSpec
+    from derender.ops import assets
+    from derender.translate.model import Model, ModelSpec
 
     name = request.param
     return Model(ModelSpec(model=str(assets.fetch(name, quiet=True)), served_model_name=(name,), max_model_len=4096,
@@ -26,7 +26,7 @@ def model(request):
 
 
 def test_warm_up_renders_and_builds_a_stream(model, caplog):
-    from derender import warmup
+    from derender.ops import warmup
 
     body = warmup.request_body(model)
     assert (b'"tools"' in body) == model.spec.enable_auto_tool_choice  # tool parsers get a tool to adjust for
@@ -38,7 +38,7 @@ def test_warm_up_renders_and_builds_a_stream(model, caplog):
 
 
 def test_a_failed_warm_up_is_logged_not_raised(model, caplog, monkeypatch):
-    from derender import warmup
+    from derender.ops import warmup
 
     async def broken(*args):
         raise RuntimeError("no template today")

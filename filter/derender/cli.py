@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import assets
+from .ops import assets
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = False) -> None:
@@ -27,7 +27,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
 
 
 def model_spec(args: argparse.Namespace):
-    from .model import ModelSpec
+    from .translate.model import ModelSpec
 
     model = args.model or str(assets.fetch("qwen3", quiet=True))
     return ModelSpec(
@@ -44,12 +44,12 @@ def model_spec(args: argparse.Namespace):
 
 def served(args: argparse.Namespace):
     """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags."""
-    from .model import Model
-    from .producer import Producer
-    from .routes import Backend, producers
+    from .translate.model import Model
+    from .routing.producer import Producer
+    from .routing.routes import Backend, producers
 
     if args.config:
-        from . import config
+        from .routing import config
 
         try:
             entries = config.load(args.config)
@@ -79,7 +79,7 @@ def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 
 def _logging(args: argparse.Namespace) -> None:
-    from . import logs
+    from .ops import logs
 
     logs.setup(args.log_level, args.log_format, getattr(args, "log_prompts", False))
 
@@ -93,22 +93,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder = tempfile.mkdtemp(prefix="derender-metrics-")
         atexit.register(shutil.rmtree, folder, True)  # the supervisor's exit (workers leave by os._exit)
-    from . import metrics, workers
+    from .ops import metrics, workers
 
     metrics.configure(args.metrics_host or args.host, args.metrics_port)
-    from . import auth
+    from .ops import auth
 
     if auth.configure(args.api_key):
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)
-    from . import stall
+    from .translate import stall
 
     stall.STALL_TIMEOUT = args.stall_timeout
-    from . import extproc
+    from .extproc import server as extproc
 
     extproc.DRAIN_TIMEOUT = args.drain_timeout
     if args.responses_store:
-        from . import store
+        from .endpoints import responses_store as store
 
         try:
             store.configure(args.responses_store, args.responses_store_ttl)
@@ -123,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _import_parser_plugins(args: argparse.Namespace) -> None:
     """``--tool-parser-plugin`` / ``--reasoning-parser-plugin``: register parsers from a file, as vLLM does."""
-    from . import model  # noqa: F401  (vLLM's environment defaults, before vLLM is imported)
+    from .translate import model  # noqa: F401  (vLLM's environment defaults, before vLLM is imported)
 
     if args.tool_parser_plugin:
         from vllm.tool_parsers import ToolParserManager
@@ -144,7 +144,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .up import run
+    from .ops.up import run
 
     return run(args)
 

@@ -24,14 +24,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
-from . import auth, metrics
-from .chat import ChatExchange, ResponseStart, Rewrite
-from .errors import HTTPError, from_exception
-from .health import add_health
-from .model import Model
-from .producer import UPSTREAM_HEADER, Producer
-from .routes import Reply, Router
-from .warmup import warm_up
+from ..ops import auth, metrics
+from ..endpoints.chat import ChatExchange
+from .actions import ResponseStart, Rewrite
+from ..translate.errors import HTTPError, from_exception
+from ..health import add_health
+from ..translate.model import Model
+from ..routing.producer import UPSTREAM_HEADER, Producer
+from ..routing.routes import Reply, Router
+from ..ops.warmup import warm_up
 
 log = logging.getLogger("derender.extproc")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .derender import choice_outputs, producer_error_event, step_event
+from .stream import choice_outputs, producer_error_event, step_event
 from .errors import HTTPError
 from .model import Model
 from .outputs import ProducerError

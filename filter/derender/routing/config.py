@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from .model import ModelSpec
+from ..translate.model import ModelSpec
 
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESERVED_CLUSTERS = {"derender"}  # the ext_proc cluster of the Envoy templates
@@ -154,7 +154,7 @@ def _check_unique(path: Path, entries: list[ModelEntry]) -> None:
 
 def envoy_clusters(entries: list[ModelEntry]) -> str:
     """The producer clusters for ``envoy/multi.yaml``: one YAML list item per line."""
-    from .envoy_config import split_url
+    from ..ops.envoy_config import split_url
 
     lines, done = [], set()
     for entry in entries:

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from .errors import HTTPError, dumps, from_exception, parse_body
-from .model import Model
-from .reply import Reply
+from ..translate.errors import HTTPError, dumps, from_exception, parse_body
+from ..translate.model import Model
+from ..extproc.actions import Reply
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import AnthropicHTTPError, HTTPError
+from ..translate.errors import AnthropicHTTPError, HTTPError
 
 ENV = "DERENDER_API_KEYS"
 

@@ -25,7 +25,7 @@ def envoy_dir() -> Path:
     """``$DERENDER_ENVOY_DIR``, else the ``envoy/`` folder of this checkout."""
     if os.environ.get("DERENDER_ENVOY_DIR"):
         return Path(os.environ["DERENDER_ENVOY_DIR"])
-    return Path(__file__).resolve().parents[2] / "envoy"
+    return Path(__file__).resolve().parents[3] / "envoy"
 
 
 def envoy_binary() -> str:

@@ -42,11 +42,12 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .chat import ResponseStart, Rewrite, producer_error, record
-from .errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
-from .producer import GENERATE_PATH, Producer
-from .sse import SSEDecoder
-from .stall import StallWatch, message as stall_message
+from .chat import producer_error, record
+from ..extproc.actions import ResponseStart, Rewrite
+from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
+from ..routing.producer import GENERATE_PATH, Producer
+from ..translate.sse import SSEDecoder
+from ..translate.stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.rendertier")
 
@@ -462,7 +463,7 @@ class TierPassThrough:
         self.x_request_id = x_request_id
 
     async def request_body(self, body: bytes) -> Any:
-        from .routes import Reply
+        from ..extproc.actions import Reply
 
         headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
         status, data = await self.tier.call("POST", self.path, body, headers)

@@ -33,14 +33,14 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from . import store
-from .chat import ChatExchange, Rewrite
-from .derender import ChatStream, step_event
-from .errors import INCOMPLETE, HTTPError, dumps, from_exception, parse_body
-from .model import Model, _EngineStandIn
-from .outputs import ChoiceOutputs, ProducerError
-from .render import Rendered, producer_body
-from .reply import Reply
+from . import responses_store as store
+from .chat import ChatExchange
+from ..translate.stream import ChatStream, step_event
+from ..translate.errors import INCOMPLETE, HTTPError, dumps, from_exception, parse_body
+from ..translate.model import Model, _EngineStandIn
+from ..translate.outputs import ChoiceOutputs, ProducerError
+from ..translate.render import Rendered, producer_body
+from ..extproc.actions import Reply, Rewrite
 
 log = logging.getLogger("derender.responses")
 
@@ -340,7 +340,7 @@ class ResponsesStream(ChatStream):
             if not isinstance(event, dict):
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
-                from .derender import producer_error_event
+                from ..translate.stream import producer_error_event
 
                 failure = producer_error_event(event["error"])
                 return self.fail(failure.status, failure.message, failure.type), False

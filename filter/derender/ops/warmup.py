@@ -16,9 +16,9 @@ import time
 
 import orjson
 
-from .derender import ChatStream
-from .model import Model
-from .render import render_chat
+from ..translate.stream import ChatStream
+from ..translate.model import Model
+from ..translate.render import render_chat
 
 log = logging.getLogger("derender.warmup")
 

@@ -19,11 +19,10 @@ from urllib.parse import unquote
 
 import orjson
 
-from .chat import Rewrite
-from .errors import HTTPError, anthropic_error_body, dumps
-from .model import Model
+from ..translate.errors import HTTPError, anthropic_error_body, dumps
+from ..translate.model import Model
 from .producer import Producer
-from .reply import Reply
+from ..extproc.actions import Reply, Rewrite
 
 CLUSTER_HEADER = "x-derender-cluster"
 DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
@@ -75,7 +74,7 @@ class Backend:
         model: Model | None = None,
         render_url: str | None = None,
     ) -> None:
-        from .rendertier import RenderTier
+        from ..endpoints.rendertier import RenderTier
 
         if (model is None) == (render_url is None):
             raise ValueError("a backend has either a local model or a render tier URL")
@@ -85,7 +84,7 @@ class Backend:
         self.model = model
         self.tier = RenderTier(render_url) if render_url else None
         if model is not None:  # built now, not on the first request
-            from .completions import serving_completion
+            from ..endpoints.completions import serving_completion
 
             serving_completion(model)
 
@@ -96,7 +95,7 @@ class Backend:
     def exchange(self, path: str, x_request_id: str | None) -> Any:
         """The exchange object for one request to ``path``."""
         if self.tier is not None:
-            from .rendertier import CHAT, COMPLETION, TierExchange, TierPassThrough
+            from ..endpoints.rendertier import CHAT, COMPLETION, TierExchange, TierPassThrough
 
             if path in (CHAT_PATH, COMPLETIONS_PATH):
                 return TierExchange(self.tier, CHAT if path == CHAT_PATH else COMPLETION, self.producer, x_request_id)
@@ -107,26 +106,26 @@ class Backend:
             return TierPassThrough(self.tier, path, x_request_id)
         assert self.model is not None
         if path == CHAT_PATH:
-            from .chat import ChatExchange
+            from ..endpoints.chat import ChatExchange
 
             return ChatExchange(self.model, self.producer, x_request_id)
         if path == COMPLETIONS_PATH:
-            from .completions import CompletionExchange
+            from ..endpoints.completions import CompletionExchange
 
             return CompletionExchange(self.model, self.producer, x_request_id)
         if path == MESSAGES_PATH:
-            from .messages import MessagesExchange
+            from ..endpoints.messages import MessagesExchange
 
             return MessagesExchange(self.model, self.producer, x_request_id)
         if path == COUNT_TOKENS_PATH:
-            from .messages import CountTokensExchange
+            from ..endpoints.messages import CountTokensExchange
 
             return CountTokensExchange(self.model, x_request_id)
         if path == RESPONSES_PATH:
-            from .responses import ResponsesExchange
+            from ..endpoints.responses import ResponsesExchange
 
             return ResponsesExchange(self.model, self.producer, x_request_id)
-        from .tokenization import TokenizationExchange
+        from ..endpoints.tokenization import TokenizationExchange
 
         return TokenizationExchange(self.model, path, x_request_id)
 
@@ -275,7 +274,7 @@ class Router:
         backend = self.backends[0]
         if backend.model is None:
             raise HTTPError(501, TIER_HAS_NO_RESPONSES, "NotImplementedError")
-        from .responses import StoredResponseExchange
+        from ..endpoints.responses import StoredResponseExchange
 
         return await StoredResponseExchange(backend.model, response_id, cancel).answer()
 

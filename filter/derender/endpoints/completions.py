@@ -24,10 +24,10 @@ from typing import Any
 
 
 from .chat import ChatExchange
-from .derender import ChatStream
-from .errors import HTTPError, dumps, from_exception, parse_body
-from .model import Model, _EngineStandIn
-from .render import Rendered, producer_body
+from ..translate.stream import ChatStream
+from ..translate.errors import HTTPError, dumps, from_exception, parse_body
+from ..translate.model import Model, _EngineStandIn
+from ..translate.render import Rendered, producer_body
 
 ONE_PROMPT = (
     "This endpoint takes one prompt per request (got {n}): each request becomes one producer "

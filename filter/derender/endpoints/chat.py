@@ -12,40 +12,20 @@ import json
 import logging
 import time
 from copy import copy
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from . import logs, metrics
-from .collect import Collected
-from .derender import ChatStream, chat_completion, choice_outputs, final_output
-from .errors import INCOMPLETE, HTTPError, from_exception
-from .model import Model
-from .producer import GENERATE_PATH, Producer
-from .render import Rendered, render_chat
-from .sse import SSEDecoder, SSEError
-from .stall import StallWatch, message as stall_message
+from ..ops import logs, metrics
+from ..translate.collect import Collected
+from ..translate.stream import ChatStream, chat_completion, choice_outputs, final_output
+from ..translate.errors import INCOMPLETE, HTTPError, from_exception
+from ..translate.model import Model
+from ..routing.producer import GENERATE_PATH, Producer
+from ..translate.render import Rendered, render_chat
+from ..extproc.actions import ResponseStart, Rewrite
+from ..translate.sse import SSEDecoder, SSEError
+from ..translate.stall import StallWatch, message as stall_message
 
 log = logging.getLogger("derender.chat")
-
-
-@dataclass
-class Rewrite:
-    """What the request becomes on its way to the producer."""
-
-    body: bytes
-    path: str
-    set_headers: dict[str, str] = field(default_factory=dict)
-    # Work for the time the producer takes to answer, once the request has gone on.
-    then: Callable[[], None] | None = None
-
-
-@dataclass
-class ResponseStart:
-    """How the response headers change; ``buffer`` asks for the whole body at once."""
-
-    set_headers: dict[str, str]
-    remove_headers: list[str]
-    buffer: bool
 
 
 class ChatExchange:

@@ -9,7 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import envoy_config, health
+from . import envoy_config
+from .. import health
 from .children import Child, free_port, http_ok
 
 
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     entries = None
     if getattr(args, "config", None):  # several models: their producers are in the file
-        from .config import ConfigError, envoy_clusters, load
+        from ..routing.config import ConfigError, envoy_clusters, load
 
         try:
             entries = load(args.config)

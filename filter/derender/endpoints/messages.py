@@ -30,12 +30,12 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
-from .chat import ChatExchange, Rewrite
-from .derender import ChatStream, chat_response
-from .errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
-from .model import Model, _EngineStandIn
-from .render import Rendered, render_chat_request
-from .reply import Reply
+from .chat import ChatExchange
+from ..translate.stream import ChatStream, chat_response
+from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
+from ..translate.model import Model, _EngineStandIn
+from ..translate.render import Rendered, render_chat_request
+from ..extproc.actions import Reply, Rewrite
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"

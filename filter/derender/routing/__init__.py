@@ -1,0 +1,1 @@
+"""Which backend and producer a request goes to."""
