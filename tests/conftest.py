@@ -104,3 +104,12 @@ def agent_stack(qwen3_dir, tmp_path_factory):
     s.script = script  # type: ignore[attr-defined]
     yield s
     s.stop()
+
+
+@pytest.fixture()
+def agents(agent_stack):
+    """The agent stack with the simulator's default knobs before and after each test."""
+    defaults = dict(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
+    agent_stack.sim_config(**defaults)
+    yield agent_stack
+    agent_stack.sim_config(**defaults)

@@ -119,8 +119,10 @@ def sse(lines) -> list:
     ]
 
 
-def through_envoy(served: Served, body: dict) -> list | dict:
-    url = served.stack.base_url + "/chat/completions"
+def through_envoy(served: Served, body: dict, path: str = "/chat/completions", events=None) -> list | dict:
+    """``body`` to ``path`` through Envoy: the JSON answer, or the stream's events (``events``
+    parses the SSE text; default: chat's ``data:`` payloads)."""
+    url = served.stack.base_url + path
     if not body.get("stream"):
         r = httpx.post(url, json=body, timeout=60)
         assert r.status_code == 200, r.text
@@ -128,6 +130,8 @@ def through_envoy(served: Served, body: dict) -> list | dict:
     with httpx.stream("POST", url, json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
+        if events is not None:
+            return events(r.read().decode())
         return sse(r.iter_lines())
 
 

@@ -134,11 +134,13 @@ class CoupledChat:
         self.state = State()
         asyncio.run(init_render_app_state(self.vllm_config, self.state, args))
 
-    def serving(self, engine: ScriptedEngine) -> Any:
+    def serving(self, engine: ScriptedEngine, kind: Any = None) -> Any:
+        """vLLM's coupled chat server (or ``kind``, a subclass such as ``AnthropicServingMessages``)
+        with these flags, on ``engine``."""
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
         a, r = self.args, self.state.online_renderer
-        return OpenAIServingChat(
+        return (kind or OpenAIServingChat)(
             engine,  # type: ignore[arg-type]
             self.state.openai_serving_models,
             "assistant",
@@ -183,20 +185,7 @@ class CoupledChat:
         """vLLM's coupled Anthropic Messages server, with the same flags."""
         from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-        a, r = self.args, self.state.online_renderer
-        return AnthropicServingMessages(
-            engine,  # type: ignore[arg-type]
-            self.state.openai_serving_models,
-            "assistant",
-            online_renderer=r,
-            request_logger=None,
-            chat_template=r.chat_template,
-            chat_template_content_format=a.chat_template_content_format,
-            reasoning_parser=a.reasoning_parser or self.vllm_config.structured_outputs_config.reasoning_parser or "",
-            enable_auto_tools=a.enable_auto_tool_choice,
-            tool_parser=a.tool_call_parser,
-            default_chat_template_kwargs=r.default_chat_template_kwargs,
-        )
+        return self.serving(engine, AnthropicServingMessages)
 
     def run_messages(self, body: dict, steps: list[Step]) -> tuple[list[tuple[str, dict]] | dict, Captured]:
         """The coupled server's ``/v1/messages`` answer: (event, data) pairs (stream) or the JSON body."""
@@ -217,11 +206,11 @@ class CoupledChat:
         result = asyncio.run(go())
         if isinstance(result, dict):
             return result, engine.captured
-        return anthropic_events("".join(result)), engine.captured
+        return named_events("".join(result)), engine.captured
 
 
-def anthropic_events(text: str) -> list[tuple[str, dict]]:
-    """An Anthropic SSE stream as (event name, data) pairs."""
+def named_events(text: str) -> list[tuple[str, dict]]:
+    """An SSE stream of named events (Anthropic Messages, OpenAI Responses) as (event name, data) pairs."""
     events = []
     for frame in text.split("\n\n"):
         if not frame.strip():

@@ -14,29 +14,12 @@ import json
 import anthropic
 import httpx
 import pytest
+from agent_turns import IM_END, THINKING, encode, tool_call_answer
+from agent_turns import QUESTION as QUESTION_TEXT
+from agent_turns import WEATHER_TOOL as WEATHER
 from stack import wait_for
 
-IM_END = 151645  # <|im_end|>
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather for a city",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-QUESTION = [{"role": "user", "content": "What is the weather in Paris? 🌦️"}]
-THINKING = "The user wants Paris weather 🌧️. 天气 — call the tool."
-ANSWER = f"<think>\n{THINKING}\n</think>\n\n" + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris 🗼"}}\n</tool_call>'
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
-
-
-@pytest.fixture()
-def agents(agent_stack):
-    agent_stack.sim_config(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
-    yield agent_stack
-    agent_stack.sim_config(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
-
+QUESTION = [{"role": "user", "content": QUESTION_TEXT}]
 
 def sdk(stack, **kw) -> anthropic.Anthropic:
     # The SDK appends /v1/messages itself: its base URL is Envoy's root.
@@ -44,7 +27,7 @@ def sdk(stack, **kw) -> anthropic.Anthropic:
 
 
 def tool_answer(stack, tokenizer, tokens_per_event: int = 1) -> list[int]:
-    ids = encode(tokenizer, ANSWER) + [IM_END]
+    ids = tool_call_answer(tokenizer)
     stack.script.set({"index": 0, "token_ids": ids})
     stack.sim_config(tokens_per_event=tokens_per_event)
     return ids

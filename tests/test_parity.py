@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 
-import httpx
 import pytest
 from parity_cases import CASES, LEAK, STOP_DESYNC, STOP_KEPT, Case, cases_for, upstream
 from parity_compare import (
@@ -42,7 +41,7 @@ from parity_paths import (
     through_envoy,
     through_sdk,
 )
-from reference import Step, anthropic_events, run_responses
+from reference import Step, named_events, run_responses
 
 COMMAND = "DERENDER_PARITY_TABLE=parity_table.md .venv/bin/python -m pytest tests/test_parity.py -q"
 # Sampling params the producer must get as the coupled engine would (stop strings stay with the filter).
@@ -92,8 +91,6 @@ def public(params) -> dict | None:
 
 def check_render(sent: dict, captured, body: dict) -> None:
     """The producer got the prompt and sampling params the coupled engine would have."""
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
-
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
@@ -225,35 +222,33 @@ def anthropic_body(case: Case, model: str) -> dict:
 
 
 def messages_through_envoy(served: Served, body: dict) -> list | dict:
-    url = served.stack.base_url + "/messages"
-    if not body.get("stream"):
-        r = httpx.post(url, json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        return anthropic_events(r.read().decode())
+    return through_envoy(served, body, "/messages", named_events)
 
 
-def run_messages_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
-    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
-    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
-    body = {**anthropic_body(case, served.name), "stream": True}
-    steps = case.steps()
-
-    got = messages_through_envoy(served, body)
-    sent = served.stack.sim_requests()[-1]
-    want, captured = served.reference.run_messages(body, steps)
-
+def replay(served: Served, case: Case, body: dict, through, reference) -> tuple:
+    """The case's engine steps through Envoy + filter (``through``) and through vLLM's coupled
+    server in process (``reference``); checks the producer got what the coupled engine did."""
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
+    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
+    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
+    steps = case.steps()
+    got = through(served, body)
+    sent = served.stack.sim_requests()[-1]
+    want, captured = reference(body, steps)
     assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
     sp = GenerateRequest.model_validate(sent).sampling_params
     for name in PARAMS:
         assert getattr(sp, name) == getattr(captured.sampling_params, name), f"sampling_params.{name}"
-    assert not sp.stop and captured.sampling_params.stop == (body.get("stop_sequences") or [])
+    assert not sp.stop, "stop strings must stay with the filter"
     assert producer_steps(served, sent) == as_tuples(steps), "the simulator did not replay the scripted engine steps"
+    return got, want, captured, steps
+
+
+def run_messages_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
+    body = {**anthropic_body(case, served.name), "stream": True}
+    got, want, captured, steps = replay(served, case, body, messages_through_envoy, served.reference.run_messages)
+    assert captured.sampling_params.stop == (body.get("stop_sequences") or [])
 
     mine, ref = assemble_anthropic(got), assemble_anthropic(want)
     assert mine == ref, "assembled messages differ"
@@ -293,34 +288,13 @@ def responses_body(case: Case, model: str) -> dict:
 
 
 def responses_through_envoy(served: Served, body: dict) -> list | dict:
-    url = served.stack.base_url + "/responses"
-    if not body.get("stream"):
-        r = httpx.post(url, json=body, timeout=60)
-        assert r.status_code == 200, r.text
-        return r.json()
-    with httpx.stream("POST", url, json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        return [(name, data) for name, data in anthropic_events(r.read().decode())]
+    return through_envoy(served, body, "/responses", named_events)
 
 
 def run_responses_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
-
-    served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
-    served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
     body = {**responses_body(case, served.name), "stream": True}
-    steps = case.steps()
-
-    got = responses_through_envoy(served, body)
-    sent = served.stack.sim_requests()[-1]
-    want, captured = run_responses(served.reference, body, steps)
-
-    assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
-    sp = GenerateRequest.model_validate(sent).sampling_params
-    for name in PARAMS:
-        assert getattr(sp, name) == getattr(captured.sampling_params, name), f"sampling_params.{name}"
-    assert producer_steps(served, sent) == as_tuples(steps), "the simulator did not replay the scripted engine steps"
+    got, want, _, steps = replay(served, case, body, responses_through_envoy,
+                                 lambda body, steps: run_responses(served.reference, body, steps))
 
     mine, ref = assemble_responses(got), assemble_responses(want)
     assert mine == ref, "assembled responses differ"

@@ -14,43 +14,12 @@ import json
 import httpx
 import openai
 import pytest
+from agent_turns import FINAL, IM_END, QUESTION, THINKING, TOOL_RESULT, encode, tool_call_answer, two_turns
+from agent_turns import WEATHER_FUNCTION as WEATHER
 from stack import wait_for
-
-IM_END = 151645  # <|im_end|>
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-QUESTION = "What is the weather in Paris? 🌦️"
-THINKING = "The user wants Paris weather 🌧️. 天气 — call the tool."
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris 🗼"}}\n</tool_call>'
-TOOL_RESULT = "18°C and sunny ☀️"
-FINAL = "It is 18°C and sunny in Paris ☀️."
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
-
-
-@pytest.fixture()
-def agents(agent_stack):
-    agent_stack.sim_config(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
-    yield agent_stack
-    agent_stack.sim_config(mode="script", tokens_per_event=1, delay=0.0, finish_only_tail=False, split_writes=1)
-
 
 def sdk(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-def two_turns(stack, tokenizer) -> None:
-    """A tool call; once the prompt holds the tool's result, the answer."""
-    stack.script.set(
-        {"token_ids": encode(tokenizer, f"<think>\n{THINKING}\n</think>\n\n{CALL}") + [IM_END]},
-        {"when": TOOL_RESULT, "token_ids": encode(tokenizer, f"<think>\nGot it.\n</think>\n\n{FINAL}") + [IM_END]},
-    )
 
 
 def parts(response) -> dict:
@@ -66,7 +35,7 @@ def test_create_and_stream_give_a_client_the_same_reasoning_and_call(agents, qwe
     response = client.responses.create(model="qwen3", input=QUESTION, tools=[WEATHER], instructions="Be brief.")
     assert response.status == "completed" and response.model == "qwen3"
     assert parts(response) == {"reasoning": f"\n{THINKING}\n", "text": "", "calls": [("get_weather", {"city": "Paris 🗼"})]}
-    assert response.usage.output_tokens == len(encode(qwen3_tokenizer, f"<think>\n{THINKING}\n</think>\n\n{CALL}")) + 1
+    assert response.usage.output_tokens == len(tool_call_answer(qwen3_tokenizer))
 
     with client.responses.stream(model="qwen3", input=QUESTION, tools=[WEATHER], instructions="Be brief.") as stream:
         kinds = [event.type for event in stream]

@@ -14,18 +14,10 @@ import shutil
 import httpx
 import openai
 import pytest
+from agent_turns import FINAL, QUESTION, TOOL_RESULT, two_turns
+from agent_turns import WEATHER_FUNCTION as WEATHER
 from stack import Proc, free_port, start_envoy, start_filter, tcp_open, wait_for
 
-IM_END = 151645
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
-QUESTION = "What is the weather in Paris? 🌦️"
-TOOL_RESULT = "18°C and sunny ☀️"
-FINAL = "It is 18°C and sunny in Paris ☀️."
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--workers", "1"]
 
@@ -79,15 +71,6 @@ def fleet(agent_stack, redis_server, qwen3_dir):
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
-
-
-def two_turns(stack, tokenizer) -> None:
-    enc = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    stack.script.set(
-        {"token_ids": enc(f"<think>\nCall the tool.\n</think>\n\n{call}") + [IM_END]},
-        {"when": TOOL_RESULT, "token_ids": enc(f"<think>\nGot it.\n</think>\n\n{FINAL}") + [IM_END]},
-    )
 
 
 def coupled_second_prompt(model_dir: str, stack) -> list[int]:

@@ -36,6 +36,7 @@ from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_bo
 from ..translate.model import Model, _EngineStandIn
 from ..translate.render import Rendered, render_chat_request
 from ..extproc.actions import Reply, Rewrite
+from ..ops import logs
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -168,13 +169,9 @@ class MessagesExchange(ChatExchange):
                 return []
             return ["".join(b.get("thinking") or b.get("text") or json.dumps(b.get("input", "")) for b in blocks)]
         parts = []
-        for line in sent.split(b"\n"):
-            if line.startswith(b"data: "):
-                try:
-                    delta = json.loads(line[6:]).get("delta") or {}
-                except (ValueError, AttributeError):
-                    continue
-                parts.append(delta.get("thinking") or delta.get("text") or delta.get("partial_json") or "")
+        for event in logs.sse_json(sent):
+            delta = event.get("delta") or {}
+            parts.append(delta.get("thinking") or delta.get("text") or delta.get("partial_json") or "")
         return ["".join(parts)]
 
 

@@ -35,12 +35,12 @@ from typing import Any
 
 from . import responses_store as store
 from .chat import ChatExchange
-from ..translate.stream import ChatStream, step_event
-from ..translate.errors import INCOMPLETE, HTTPError, dumps, from_exception, parse_body
+from ..translate.stream import ChatStream, choice_outputs
+from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model, _EngineStandIn
-from ..translate.outputs import ChoiceOutputs, ProducerError
 from ..translate.render import Rendered, producer_body
 from ..extproc.actions import Reply, Rewrite
+from ..ops import logs
 
 log = logging.getLogger("derender.responses")
 
@@ -318,51 +318,31 @@ def _failure_of(session: Session) -> HTTPError:
 
 
 class ResponsesStream(ChatStream):
-    """A streaming Responses answer: outputs into the session; its events come out of ``flush``."""
+    """A streaming Responses answer: ``ChatStream``'s producer side, its outputs handed to the
+    session; the events vLLM's task writes come out of ``flush``."""
 
     def __init__(self, model: Model, rendered: RenderedResponse) -> None:  # noqa: D107 - no vLLM generator here
         self.session = rendered.session
-        self.outputs = _outputs(model, rendered, stream=True)
+        self.outputs = choice_outputs(model, rendered, stream=True)
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
         self.finished = False
+        self._ended = False
 
     def start(self) -> None:
         pass
 
-    def feed(self, payload: bytes) -> tuple[bytes, bool]:
-        if self.finished:
-            return b"", False
-        if payload == b"[DONE]":
-            return self.end(), False
-        try:
-            event = json.loads(payload)
-            if not isinstance(event, dict):
-                raise ProducerError("producer event is not a JSON object")
-            if "error" in event:
-                from ..translate.stream import producer_error_event
+    def _accept(self, outputs: list[Any]) -> None:
+        self.session.push(outputs)
 
-                failure = producer_error_event(event["error"])
-                return self.fail(failure.status, failure.message, failure.type), False
-            outs, abort, tokens = step_event(self.outputs, event)
-            if self.producer_request_id is None:
-                self.producer_request_id = event.get("request_id")
-            self.completion_tokens += tokens
-            self.session.push(outs)
-        except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
-            return self.fail(502, f"invalid producer event: {exc}"), False
-        if self.outputs.done:
+    def _pump(self) -> bytes:
+        """Nothing to run here: the session's task runs vLLM's generator (``flush``)."""
+        if self._ended and not self.finished:
             self.session.end()
             self.finished = True
-        return b"", abort
+        return b""
 
-    def end(self) -> bytes:
-        if self.finished:
-            return b""
-        if not self.outputs.done:
-            return self.fail(502, INCOMPLETE)
-        self.session.end()
-        self.finished = True
+    def _take_early(self) -> bytes:
         return b""
 
     def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
@@ -385,17 +365,6 @@ class ResponsesStream(ChatStream):
     def close(self) -> None:
         self.finished = True
         self.session.cancel()
-
-
-def _outputs(model: Model, rendered: RenderedResponse, *, stream: bool) -> ChoiceOutputs:
-    return ChoiceOutputs(
-        model.tokenizer,
-        rendered.request_id,
-        rendered.prompt_token_ids,
-        rendered.params,
-        stream=stream,
-        vocab_size=model.model_config.get_vocab_size(),
-    )
 
 
 async def response_object(model: Model, rendered: RenderedResponse, final: Any) -> bytes:
@@ -458,13 +427,7 @@ class ResponsesExchange(ChatExchange):
                     parts.append(content.get("text") or "")
                 parts.append(item.get("arguments") or "")
             return ["".join(parts)]
-        parts = []
-        for line in sent.split(b"\n"):
-            if line.startswith(b"data: ") and b".delta" in line:
-                try:
-                    parts.append(json.loads(line[6:]).get("delta") or "")
-                except (ValueError, AttributeError):
-                    continue
+        parts = [event.get("delta") or "" for event in logs.sse_json(sent) if str(event.get("type", "")).endswith(".delta")]
         return ["".join(parts)]
 
 

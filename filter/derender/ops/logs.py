@@ -58,9 +58,8 @@ def setup(level: str, fmt: str = "text", log_prompts: bool = False) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
-def completion_texts_from_sse(data: bytes) -> list[str]:
-    """The text of each choice in the SSE bytes a client got (reasoning, content, completion text)."""
-    texts: dict[int, list[str]] = {}
+def sse_json(data: bytes):
+    """The JSON objects of the ``data:`` lines in the SSE bytes a client got."""
     for line in data.split(b"\n"):
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
@@ -68,6 +67,14 @@ def completion_texts_from_sse(data: bytes) -> list[str]:
             event = json.loads(line[6:])
         except ValueError:
             continue
+        if isinstance(event, dict):
+            yield event
+
+
+def completion_texts_from_sse(data: bytes) -> list[str]:
+    """The text of each choice in the SSE bytes a client got (reasoning, content, completion text)."""
+    texts: dict[int, list[str]] = {}
+    for event in sse_json(data):
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or choice  # chat deltas; completions carry "text"
             for key in ("reasoning", "content", "text"):

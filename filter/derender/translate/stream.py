@@ -120,12 +120,16 @@ class ChatStream:
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
             self.completion_tokens += tokens
-            self._queue.extend(outs)
+            self._accept(outs)
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
         if self.outputs.done:
             self._ended = True
         return self._pump(), abort
+
+    def _accept(self, outputs: list[Any]) -> None:
+        """The ``RequestOutput``s of one producer event, for vLLM's generator."""
+        self._queue.extend(outputs)
 
     def end(self) -> bytes:
         """The producer's stream is over (``[DONE]`` or end of body)."""
