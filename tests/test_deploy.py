@@ -119,13 +119,31 @@ def _cluster(config: dict, name: str) -> dict:
     return next(c for c in config["static_resources"]["clusters"] if c["name"] == name)
 
 
+# What the README promises of every layout's ext_proc filter, named here (not read off local.yaml).
+EXT_PROC = {
+    "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+                        "response_header_mode": "SEND", "response_body_mode": "STREAMED", "response_trailer_mode": "SKIP"},
+    "failure_mode_allow": False,  # never an untranslated request or a raw producer event
+    "allow_mode_override": True,  # non-streaming answers switch to BUFFERED
+    "status_on_error": {"code": 502},
+    "mutation_rules": {"allow_envoy": True},  # x-envoy-original-path: the access log shows the client's path
+}
+
+
 @pytest.mark.parametrize("path", envoy_configs(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_layout_talks_to_the_filter_as_local_yaml_does(path):
-    """Same ext_proc settings, HTTP/2 to the filter, and its gRPC health check."""
-    config, local = yaml.safe_load(rendered(path)), yaml.safe_load(rendered(ROOT / "envoy" / "local.yaml"))
+def test_every_layout_talks_to_the_filter_as_the_readme_says(path):
+    """The ext_proc settings, HTTP/2 to the filter, its gRPC health check, and on every route to a
+    producer the x-derender-upstream header (the replica that runs the request, for aborts)."""
+    config = yaml.safe_load(rendered(path))
     ours = _ext_proc(config)
-    for key in ("processing_mode", "failure_mode_allow", "allow_mode_override", "status_on_error"):
-        assert ours[key] == _ext_proc(local)[key], key
+    for key, value in EXT_PROC.items():
+        assert ours[key] == value, key
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = [r for host in manager["route_config"]["virtual_hosts"] for r in host["routes"] if "route" in r]
+    assert routes
+    for route in routes:
+        assert {"header": {"key": "x-derender-upstream", "value": "%UPSTREAM_REMOTE_ADDRESS%"},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} in route.get("response_headers_to_add", []), route
     cluster = _cluster(config, ours["grpc_service"]["envoy_grpc"]["cluster_name"])
     options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
     assert "http2_protocol_options" in options["explicit_http_config"]
@@ -396,4 +414,7 @@ def test_route_and_filter_point_at_the_same_producers_and_model(k8s):
     assert filter_args.model == model and filter_args.served_model_name == vllm_args.served_model_name
     assert filter_args.producer == f"http://{service['metadata']['name']}:{port['port']}"
     assert k8s[("Gateway", "openai")]["metadata"]["name"] in {p["name"] for p in k8s[("HTTPRoute", "openai")]["spec"]["parentRefs"]}
+    # Aborts reach the replica running the request: the route names it to the filter.
+    modifiers = [f["responseHeaderModifier"] for f in rule.get("filters", []) if f.get("type") == "ResponseHeaderModifier"]
+    assert {"name": "x-derender-upstream", "value": "%UPSTREAM_REMOTE_ADDRESS%"} in [h for m in modifiers for h in m.get("set", [])]
 
