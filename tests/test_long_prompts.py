@@ -74,8 +74,11 @@ def test_a_long_chat_renders_to_vllms_prompt(models, qwen3_tokenizer, truncate):
     if truncate is not None:
         body["truncate_prompt_tokens"] = truncate
     raw = json.dumps(body).encode()
+    split = longprompt.split_prompts
     theirs = asyncio.run(render_chat(plain, raw, None)).prompt_token_ids
+    assert longprompt.split_prompts == split  # vLLM's own renderer: one call
     mine = asyncio.run(render_chat(ours, raw, None)).prompt_token_ids
+    assert longprompt.split_prompts == split + 1, "the filter's renderer did not tokenize in pieces"
     assert len(theirs) >= 5000
     assert mine == theirs
 

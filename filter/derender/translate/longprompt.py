@@ -161,6 +161,10 @@ def encode(tokenizer: Any, parts: list[str]) -> list[int]:
     return [i for piece in (*head, *rest) for i in piece]
 
 
+# Prompts this process tokenized in pieces (for tests and the curious).
+split_prompts = 0
+
+
 def install(renderer: Any) -> bool:
     """Route the renderer's long text prompts through ``pieces`` and ``encode``; False if unsafe."""
     from vllm.utils.async_utils import make_async
@@ -182,6 +186,8 @@ def install(renderer: Any) -> bool:
         if len(parts) < 2:
             return original(prompt, params)
         ids = encode(tokenizer, parts)
+        global split_prompts
+        split_prompts += 1
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
         if limit is not None and len(ids) > limit:  # as the tokenizer truncates one sequence
             ids = ids[:limit] if tokenizer.truncation_side == "right" else ids[-limit:]
