@@ -44,6 +44,10 @@ class Asset:
 _QWEN3_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
+    # As the models' own config.json files say. Without it transformers 5 takes a local
+    # tokenizer folder for a Mistral one and warns of an "incorrect regex pattern" (its
+    # fix is Mistral's pre-tokenizer, which would be wrong here; test_assets.py).
+    "transformers_version": "4.51.0",
     "vocab_size": 151936,
     "max_position_embeddings": 40960,
     "hidden_size": 64,
@@ -106,6 +110,7 @@ ASSETS: dict[str, Asset] = {
         {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
+            "transformers_version": "4.46.3",
             "vocab_size": 129280,
             "max_position_embeddings": 163840,
             "hidden_size": 64,
@@ -156,6 +161,7 @@ ASSETS: dict[str, Asset] = {
         {
             "architectures": ["GptOssForCausalLM"],
             "model_type": "gpt_oss",
+            "transformers_version": "4.55.0",
             "vocab_size": 201088,
             "max_position_embeddings": 131072,
             "hidden_size": 64,
