@@ -118,7 +118,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = served(args)
     serve = workers.filter_server(model, args.producer, args.host, args.port)
-    return workers.run(serve, args.port, args.workers)
+    code = workers.run(serve, args.port, args.workers)
+    # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
+    # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _import_parser_plugins(args: argparse.Namespace) -> None:

@@ -50,11 +50,32 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+# vLLM's start-up lines about GPU kernels (Triton, its compiled ops): the filter runs no model,
+# only vLLM's renderer, tokenizer and parsers, so none of them concerns it. A newcomer should see
+# the filter's lines, not alarms that contradict each other ("installed" / "not installed").
+KERNEL_NOISE = (
+    "Triton is installed but",
+    "Triton not installed or not compatible",
+    "Triton is not installed",
+    "requires Triton",
+    "Failed to import from vllm._C",
+)
+
+
+class _NoKernelNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith("vllm"):
+            return True
+        message = record.getMessage()
+        return not any(noise in message for noise in KERNEL_NOISE)
+
+
 def setup(level: str, fmt: str = "text", log_prompts: bool = False) -> None:
     global LOG_PROMPTS
     LOG_PROMPTS = log_prompts
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(_NoKernelNoise())
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)
 
 
