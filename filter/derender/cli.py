@@ -123,6 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
     import logging
 
+    import atexit
+
+    atexit._run_exitfuncs()  # our own (the metrics folder) and the libraries' exit work
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
