@@ -138,7 +138,19 @@ class HarmonyAnswers(Answers):
         return ids
 
 
-ANSWERS: dict[str, type[Answers]] = {"qwen3": Qwen3Answers, "deepseek-r1": DeepSeekR1Answers, "gpt-oss": HarmonyAnswers}
+class ParserFreeQwen3Answers(Qwen3Answers):
+    """Qwen3 served with no parser (vLLM's default): ``<think>`` and tool markup are content."""
+
+    tools = False
+    parsers = False
+
+
+ANSWERS: dict[str, type[Answers]] = {"qwen3": Qwen3Answers, "deepseek-r1": DeepSeekR1Answers, "gpt-oss": HarmonyAnswers,
+                                     "qwen3-no-parser": ParserFreeQwen3Answers}
+# The cases a parser-free config runs: no reasoning or tool expectations of their own.
+PARSER_FREE = {"plain chunks=1", "plain chunks=3-4", "plain chunks=rand", "plain chunks=tail",
+               "reasoning chunks=1", "reasoning chunks=3-4", "logprobs top_logprobs=2", "stop string across events",
+               "stop_token_ids", "continuous_usage_stats", "n=2 interleaved"}
 
 
 # -- cases ---------------------------------------------------------------------------------
@@ -275,7 +287,8 @@ def with_tools(cls: type[Answers]) -> bool:
 
 
 def cases_for(model: str) -> list[str]:
-    return [name for name in CASES if APPLIES[name](ANSWERS[model])]
+    cls = ANSWERS[model]
+    return [name for name in CASES if APPLIES[name](cls) and (getattr(cls, "parsers", True) or name in PARSER_FREE)]
 
 
 def base_answer(a: Answers, kind: str, end: bool = True) -> list[int]:

@@ -25,7 +25,9 @@ MODELS = {
     "qwen3": ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
     "deepseek-r1": ["--reasoning-parser", "deepseek_r1"],
     "gpt-oss": ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai", "--enable-auto-tool-choice"],
+    "qwen3-no-parser": [],  # vLLM's default: no reasoning or tool parser
 }
+ASSET = {"qwen3-no-parser": "qwen3"}  # model configs that share a tokenizer
 MAX_MODEL_LEN = "8192"
 
 
@@ -40,7 +42,7 @@ class Served:
 
 def serve(name: str, tmp: Path) -> Served:
     """One Envoy + filter + simulator and one coupled reference for a model config."""
-    model_dir = str(assets.fetch(name))
+    model_dir = str(assets.fetch(ASSET.get(name, name)))
     flags = ["--served-model-name", name, "--max-model-len", MAX_MODEL_LEN, *MODELS[name]]
     script = tmp / "script.jsonl"
     script.write_text("")
