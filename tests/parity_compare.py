@@ -152,7 +152,9 @@ class ParityTable:
             (f"{passed}/{len(self.cells)} cells pass. n/a: the model config has no such feature "
              "(DeepSeek-R1 is served with a reasoning parser only; enable_thinking is Qwen3's template; "
              "reasoning_effort is rendered by Harmony only; Harmony renders a final assistant message as a "
-             "finished turn, so continue_final_message does not apply)."),
+             "finished turn, so continue_final_message does not apply; qwen3-no-parser is Qwen3 served with no "
+             "reasoning or tool parser, vLLM's default, and runs the cases without reasoning or tool "
+             "expectations of their own)."),
             ("(vllm#N): vLLM 0.33.0 itself streams this case wrongly; the filter matches it chunk for chunk, "
              "and the test checks the bug shows in vLLM's stream. vllm#55195: `<think>` leaks into reasoning "
              "when it shares a multi-token delta. vllm#51641: stop-string hold-back desyncs delta text from "
