@@ -474,3 +474,30 @@ def _quiet(check):
     except OSError:
         return None
 
+
+
+@pytest.mark.parametrize("path, operation", [("/v1/messages", "messages"), ("/v1/responses", "responses")])
+def test_agent_endpoints_are_counted_and_logged_as_their_operation(ms, qwen3_tokenizer, path, operation):
+    """The chat path's metrics and request log, for Anthropic Messages and OpenAI Responses."""
+    ids = encode(qwen3_tokenizer, "Counted as its own operation.")
+    ms.set_script({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    labels = {"gen_ai_operation_name": operation, "gen_ai_request_model": "qwen3"}
+    x_request_id = f"{operation}-{uuid.uuid4().hex}"
+    body = ({"model": "qwen3", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            if operation == "messages" else {"model": "qwen3", "input": "hi", "stream": True})
+    before = ms.scrape()
+    r = httpx.post(ms.envoy_url + path, json=body, headers={"x-request-id": x_request_id}, timeout=60)
+    assert r.status_code == 200
+    # The filter records the request's histograms, then counts it (another file of the pooled
+    # metrics): a scrape can land between the two, so wait for what is checked, both.
+    ttft = "gen_ai_server_time_to_first_token_seconds_count"
+    after = ms.settled(lambda m: requests(m, path) > requests(before, path) and m.get(ttft, **labels) > before.get(ttft, **labels),
+                       "the request counted and its histograms written")
+    usage = "gen_ai_client_token_usage_sum"
+    assert after.get(usage, **labels, gen_ai_token_type="input") - before.get(usage, **labels, gen_ai_token_type="input") == len(ms.prompt_ids())
+    assert after.get(usage, **labels, gen_ai_token_type="output") - before.get(usage, **labels, gen_ai_token_type="output") == len(ids) + 1
+    assert after.get(ttft, **labels) - before.get(ttft, **labels) == 1
+    lines = wait_for(lambda: [line for line in ms.filter.log.read_text().splitlines() if x_request_id in line],
+                     "the request's log line")
+    assert len(lines) == 1 and f": {operation} " in lines[0]
+    assert "status=200" in lines[0] and "stream=true" in lines[0] and f"completion_tokens={len(ids) + 1}" in lines[0]
