@@ -51,13 +51,15 @@ class _QuietStreamErrors(logging.Filter):
         return type(exc).__name__ != "_StreamError"
 
 
+logging.getLogger("vllm.entrypoints.anthropic.serving").addFilter(_QuietStreamErrors())
+
+
 @functools.cache
 def serving_messages(model: Model) -> Any:
     """vLLM's ``AnthropicServingMessages`` for ``model``, built as ``vllm serve`` builds it."""
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
     args = model.args
-    logging.getLogger("vllm.entrypoints.anthropic.serving").addFilter(_QuietStreamErrors())
     return AnthropicServingMessages(
         _EngineStandIn(model.vllm_config, model.renderer),  # type: ignore[arg-type]
         model.registry,  # type: ignore[arg-type]
@@ -67,7 +69,7 @@ def serving_messages(model: Model) -> Any:
         chat_template=model.online_renderer.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=model.args.reasoning_parser or model.vllm_config.structured_outputs_config.reasoning_parser or "",
+        reasoning_parser=model.reasoning_parser,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
         tool_strict_level=args.tool_strict_level,

@@ -210,7 +210,7 @@ def serving_responses(model: Model) -> Any:
         chat_template=model.online_renderer.chat_template,
         chat_template_content_format=args.chat_template_content_format,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=args.reasoning_parser or model.vllm_config.structured_outputs_config.reasoning_parser or "",
+        reasoning_parser=model.reasoning_parser,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
         tool_strict_level=args.tool_strict_level,

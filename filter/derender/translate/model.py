@@ -116,6 +116,8 @@ class Model:
         self.tokenizer = self.renderer.get_tokenizer()
         self.parser_cls = self.online_renderer.parser
         self.use_harmony = model_config.hf_config.model_type == "gpt_oss"
+        # The reasoning parser's name, as ``vllm serve`` resolves it (every serving object takes it).
+        self.reasoning_parser: str = args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or ""
         self.serving_chat = OpenAIServingChat(
             _EngineStandIn(vllm_config, self.renderer),  # type: ignore[arg-type]
             self.registry,  # type: ignore[arg-type]
@@ -125,9 +127,7 @@ class Model:
             chat_template=self.online_renderer.chat_template,
             chat_template_content_format=args.chat_template_content_format,
             trust_request_chat_template=args.trust_request_chat_template,
-            reasoning_parser=args.reasoning_parser
-            or vllm_config.structured_outputs_config.reasoning_parser
-            or "",
+            reasoning_parser=self.reasoning_parser,
             enable_auto_tools=args.enable_auto_tool_choice,
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             tool_parser=args.tool_call_parser,
