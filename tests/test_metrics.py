@@ -135,12 +135,16 @@ class MetricsStack:
         return Metrics(self.metrics_url)
 
     def settled(self, check, what: str) -> Metrics:
-        """Scrape until ``check(metrics)`` holds: the filter records a request when its ext_proc stream closes."""
-        def probe() -> Metrics | None:
-            m = self.scrape()
-            return m if check(m) else None
+        """Scrape until ``check(metrics)`` holds, then once more, and return that last scrape.
 
-        return wait_for(probe, what)
+        The filter records a request when its ext_proc stream closes: histograms first,
+        the request counter last. A scrape is not one snapshot: the pooled metrics are
+        read file by file (one per worker and kind, in directory order), so the scrape
+        that first shows the counter may have read the histograms before they were
+        written. One started after the counter was seen holds every write before it.
+        """
+        wait_for(lambda: check(self.scrape()), what)
+        return self.scrape()
 
     def set_script(self, *choices: dict) -> None:
         self.script.write_text("".join(json.dumps(c) + "\n" for c in choices))
@@ -488,11 +492,8 @@ def test_agent_endpoints_are_counted_and_logged_as_their_operation(ms, qwen3_tok
     before = ms.scrape()
     r = httpx.post(ms.envoy_url + path, json=body, headers={"x-request-id": x_request_id}, timeout=60)
     assert r.status_code == 200
-    # The filter records the request's histograms, then counts it (another file of the pooled
-    # metrics): a scrape can land between the two, so wait for what is checked, both.
+    after = ms.settled(lambda m: requests(m, path) > requests(before, path), "the request counted")
     ttft = "gen_ai_server_time_to_first_token_seconds_count"
-    after = ms.settled(lambda m: requests(m, path) > requests(before, path) and m.get(ttft, **labels) > before.get(ttft, **labels),
-                       "the request counted and its histograms written")
     usage = "gen_ai_client_token_usage_sum"
     assert after.get(usage, **labels, gen_ai_token_type="input") - before.get(usage, **labels, gen_ai_token_type="input") == len(ms.prompt_ids())
     assert after.get(usage, **labels, gen_ai_token_type="output") - before.get(usage, **labels, gen_ai_token_type="output") == len(ids) + 1

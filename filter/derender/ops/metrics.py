@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -100,6 +101,23 @@ PARSER_ERRORS = Counter(
 )
 
 
+class _PooledCollector(multiprocess.MultiProcessCollector):
+    """The workers' files, summed; a file caught at its creation is read again.
+
+    A worker creates its file for a metric kind on its first write: for a moment
+    the file is empty, and prometheus-client's reader fails on it (``struct.error``),
+    which would answer that scrape with a 500.
+    """
+
+    def collect(self):
+        for _ in range(2):
+            try:
+                return super().collect()
+            except struct.error:
+                time.sleep(0.01)
+        return super().collect()
+
+
 def configure(host: str, port: int | None) -> None:
     """Where ``start_server`` listens; no port, no metrics server."""
     global _listen
@@ -123,7 +141,7 @@ def start_server() -> bool:
     registry = REGISTRY
     if MULTIPROCESS:
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        _PooledCollector(registry)
     try:
         start_http_server(port, addr=host, registry=registry)
     except OSError:
