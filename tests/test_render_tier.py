@@ -5,9 +5,9 @@ filter) and the render-tier one (rendering and derendering by vLLM's render serv
 Qwen3 with ``qwen3`` + ``hermes``). For the parity suite's Qwen3 cases the same token ids
 go through both, and the client streams must fold to the same messages (content,
 reasoning, tool calls with their arguments as JSON and ids by shape, finish and stop
-reasons, logprobs, usage), as vLLM's own parity test compares its derender path: the
-chunking of the two differs by design (the render tier sends the role with the first
-delta and empty deltas as they come). A recording proxy between the filter and the
+reasons, logprobs, usage), as vLLM's own parity test compares its derender path, and
+event by event but for what the render tier does differently by design (``events_compared``:
+it writes null fields, sends empty deltas as they come and the role with the first delta). A recording proxy between the filter and the
 render server checks the protocol itself: one ``stream_state`` per choice index echoed
 unchanged, the request and the full prompt ids on every call, the usage event sent and
 ``[DONE]`` not.
@@ -208,6 +208,74 @@ def fold(events: list) -> dict:
     return folded
 
 
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def events_compared(events: list) -> list:
+    """A chat stream event by event, but for what vLLM's render tier does differently by design.
+
+    Its ``/derender`` answers every producer event, so against the local (coupled) stream it
+    (1) writes null fields, (2) sends events with empty deltas (while a parser holds tokens
+    back; with ``continuous_usage_stats`` they carry usage), (3) sends the role with the first
+    delta instead of alone (the coupled server's role chunk has ``"content": ""`` and, with
+    continuous usage, zero completion tokens), and (4) counts no reasoning tokens. So: nulls,
+    ids, timestamps and ``completion_tokens_details`` go, ``"content": ""`` goes, events with
+    nothing but empty deltas go (usage-only ones but the last too), and a role-only delta is
+    merged into the choice's next delta. Everything else (every delta's text, every tool-call
+    fragment, logprobs, token ids, finish and stop reasons, the order) must be the same.
+    """
+    kept: list = []
+    for e in events:
+        if not isinstance(e, dict):
+            kept.append(e)
+            continue
+        e = _without_nulls({k: v for k, v in e.items() if k not in ("id", "created", "system_fingerprint")})
+        choices = []
+        for c in e.get("choices", []):
+            delta = c.get("delta", {})
+            if delta.get("content") == "":
+                del delta["content"]
+            for call in delta.get("tool_calls", []):
+                if "id" in call:
+                    call["id"] = id_shape(call["id"])
+            if delta or set(c) - {"index", "delta"}:
+                choices.append(c)
+        if not choices and not e.get("usage"):
+            continue
+        e["choices"] = choices
+        if e.get("usage"):
+            e["usage"] = usage(e["usage"])
+        kept.append(f32(e))
+    usage_only = [i for i, e in enumerate(kept) if isinstance(e, dict) and not e["choices"]]
+    kept = [e for i, e in enumerate(kept) if not usage_only or i not in usage_only[:-1]]
+    out: list = []
+    roles: dict[int, str] = {}
+    carried: dict = {}
+    for e in kept:
+        if not isinstance(e, dict):
+            out.append(e)
+            continue
+        choices = []
+        for c in e["choices"]:
+            if set(c) == {"index", "delta"} and set(c["delta"]) == {"role"}:
+                roles[c["index"]] = c["delta"]["role"]
+                continue
+            if c["index"] in roles:
+                c["delta"] = {"role": roles.pop(c["index"]), **c["delta"]}
+            choices.append(c)
+        if e["choices"] and not choices:  # a role-only event: what else it says goes with the next one
+            carried.update({k: v for k, v in e.items() if k not in ("choices", "usage")})
+            continue
+        out.append({**carried, **e, "choices": choices})
+        carried = {}
+    return out
+
+
 def fold_full(body: dict) -> dict:
     """A non-streaming chat.completion, per choice, with per-run values by shape."""
     assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
@@ -252,6 +320,7 @@ def test_render_tier_matches_local(stacks, answers, case_name):
     check_shape(case, mine["choices"][0])
     assert len(mine["choices"]) == len(case.choices)
     assert theirs == mine
+    assert events_compared(tier) == events_compared(local)
 
     if case.sdk:
         from openai import OpenAI
