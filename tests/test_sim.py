@@ -380,41 +380,62 @@ def test_abort(vllm):
         len(c.choices[0].token_ids) for c in chunks[:-1])
 
 
+async def held(client, engine_id: str) -> None:
+    """Wait until the simulator holds ``engine_id`` (``hold_after``): it has sent what it will send."""
+    while engine_id not in (await (await client.get("/sim/stats")).json())["held"]:
+        await asyncio.sleep(0.01)
+
+
 def test_abort_non_stream(vllm):
+    """An abort while the request is held after 2 tokens: those 2, finish_reason abort."""
     async def go(client):
+        await client.post("/sim/config", json={"hold_after": 2})
         task = asyncio.create_task(client.post("/inference/v1/generate", json=body(
             request_id="q"), headers={}))
-        await asyncio.sleep(0.25)
+        await held(client, "generate-tokens-q")
         await client.post("/inference/v1/abort_requests",
                           json={"request_ids": ["generate-tokens-q"]})
         resp = await task
         return await resp.text()
     res = vllm.p.GenerateTokensResponse.model_validate_json(
-        run(sim.build_app(QWEN, delay=0.1), go))
+        run(sim.build_app(QWEN), go))
     (choice,) = res.choices
-    assert choice.finish_reason == "abort" and 0 < len(choice.token_ids) < len(ANSWER)
+    assert choice.finish_reason == "abort" and choice.token_ids == ANSWER[:2]
+
+
+def test_release_goes_on():
+    async def go(client):
+        await client.post("/sim/config", json={"hold_after": 3})
+        task = asyncio.create_task(client.post("/inference/v1/generate", json=body(request_id="r")))
+        await held(client, "generate-tokens-r")
+        assert await (await client.post("/sim/release")).json() == {"released": ["generate-tokens-r"]}
+        return await (await task).json()
+    (choice,) = run(sim.build_app(QWEN), go)["choices"]
+    assert choice["token_ids"] == ANSWER and choice["finish_reason"] == "stop"
 
 
 def test_disconnect_and_per_event_writes():
+    """Each event is written as it is made: held after one event, the client has exactly
+    that event; leaving then is seen as a disconnect."""
     async def go(client):
+        await client.post("/sim/config", json={"hold_after": 1})
         resp = await client.post("/inference/v1/generate", json=body(
             stream=True, request_id="d1"))
-        pieces = []
-        async for piece in resp.content.iter_any():
-            pieces.append(piece)
-            if len(pieces) == 3:
-                break
+        await held(client, "generate-tokens-d1")
+        first = b""
+        while not first.endswith(b"\n\n"):
+            first += await resp.content.readany()
+        await asyncio.sleep(0)
+        rest = resp.content.read_nowait()  # nothing more was sent
         resp.close()
-        for _ in range(50):
-            gone = await (await client.get("/sim/disconnected")).json()
-            if gone:
-                break
-            await asyncio.sleep(0.05)
+        while not (gone := await (await client.get("/sim/disconnected")).json()):
+            await asyncio.sleep(0.01)
         seen = await (await client.get("/sim/requests")).json()
-        return pieces, gone, seen
-    pieces, gone, seen = run(sim.build_app(QWEN, delay=0.05), go)
-    assert all(p.startswith(b"data: {") and p.endswith(b"}\n\n") and p.count(b"data:") == 1
-               for p in pieces)
+        return first, rest, gone, seen
+    first, rest, gone, seen = run(sim.build_app(QWEN), go)
+    assert first.startswith(b"data: {") and first.count(b"data:") == 1
+    assert json.loads(first[6:])["choices"][0]["token_ids"] == ANSWER[:1]
+    assert rest == b""
     assert gone == ["generate-tokens-d1"]
     assert seen == [body(stream=True, request_id="d1")]
 

@@ -172,6 +172,8 @@ class _Generation:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     fault: str | None = None  # the knobs when the request came in
     fault_after: int = 0
+    hold_after: int | None = None
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def closed(self) -> bool:
         transport = self.request.transport
@@ -223,18 +225,23 @@ class Simulator:
         self.aborted: list[str] = []
         self.disconnected: list[str] = []
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
+        self.held: set[_Generation] = set()
+        self.hold_after: int | None = None
 
     def configure(self, mode: str | None = None, script: str | None = None,
                   tokens_per_event: int | str | None = None, delay: float | None = None,
                   finish_only_tail: bool | None = None, error_after: int | None = None,
                   http_error: int | None = None, split_writes: int | None = None,
-                  fault: str | None = None, fault_after: int | None = None) -> None:
+                  fault: str | None = None, fault_after: int | None = None,
+                  hold_after: int | None = None) -> None:
         """Set the knobs for the requests that follow (also POST /sim/config).
 
-        ``error_after``, ``http_error`` and ``fault`` (at event ``fault_after``, see
-        FAULTS) are set as given (None turns them off); the other knobs keep their
-        value when None. ``split_writes`` > 1 writes each event in that many pieces,
-        so events cross TCP writes.
+        ``error_after``, ``http_error``, ``fault`` (at event ``fault_after``, see
+        FAULTS) and ``hold_after`` are set as given (None turns them off); the other
+        knobs keep their value when None. ``split_writes`` > 1 writes each event in
+        that many pieces, so events cross TCP writes. ``hold_after`` N: a request
+        sends N events, then waits, its connection open, until POST /sim/release
+        (or an abort, or its client leaving); /sim/stats lists it under ``held``.
         """
         if mode is not None:
             self.mode = mode
@@ -252,6 +259,9 @@ class Simulator:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}")
         self.fault, self.fault_after = fault, fault_after or 0
+        if hold_after is not None and int(hold_after) < 0:
+            raise ValueError("hold_after must be >= 0")
+        self.hold_after = None if hold_after is None else int(hold_after)
         if tokens_per_event is not None:
             self.seed = None
             if isinstance(tokens_per_event, str) and tokens_per_event.startswith("random:"):
@@ -355,6 +365,8 @@ class Simulator:
         steps = max(len(events) for events in per_choice)
         schedule = [events[t] for t in range(steps) for events in per_choice if t < len(events)]
         for count, (c, start, end, final) in enumerate(schedule):
+            if count == gen.hold_after:
+                await self._hold(gen)
             if self.delay > 0:
                 try:
                     await asyncio.wait_for(gen.aborted.wait(), self.delay)
@@ -458,7 +470,8 @@ class Simulator:
                                f" length ({self.max_model_len}).")
         try:
             gen = _Generation(f"generate-tokens-{base}", self._plan(body), request,
-                              fault=self.fault, fault_after=self.fault_after)
+                              fault=self.fault, fault_after=self.fault_after,
+                              hold_after=self.hold_after)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500)
         self.running[gen.engine_id].add(gen)
@@ -471,6 +484,25 @@ class Simulator:
             self.running[gen.engine_id].discard(gen)
             if not self.running[gen.engine_id]:
                 del self.running[gen.engine_id]
+
+    async def _hold(self, gen: _Generation) -> None:
+        """Wait, sending nothing, until released, aborted or left by the client."""
+        self.held.add(gen)
+        try:
+            while not (gen.released.is_set() or gen.aborted.is_set() or gen.closed()):
+                try:
+                    await asyncio.wait_for(gen.released.wait(), 0.05)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.held.discard(gen)
+
+    async def release(self, request: web.Request) -> web.Response:
+        """POST /sim/release: the held requests go on."""
+        released = sorted(g.engine_id for g in self.held)
+        for gen in self.held:
+            gen.released.set()
+        return web.json_response({"released": released})
 
     def _check_logprobs(self, k: int | None) -> None:  # SamplingParams.verify (engine side)
         if k is not None and (count := self.vocab_size if k == -1 else k) > MAX_LOGPROBS:
@@ -622,12 +654,14 @@ class Simulator:
     async def stats(self, request: web.Request) -> web.Response:
         """GET /sim/stats: generate requests received ever, tokens sent per running request, and
         the running requests whose writes wait (the kernel's socket buffer is full: the reader
-        is not reading)."""
+        is not reading), and the requests held by ``hold_after``."""
         running = {eid: sum(c.sent for g in gens for c in g.choices)
                    for eid, gens in self.running.items()}
         blocked = sorted(eid for eid, gens in self.running.items() for g in gens
                          if g.request.transport is not None and g.request.transport.get_write_buffer_size())
-        return web.json_response({"received": self.received, "running": running, "blocked": blocked})
+        held = sorted(g.engine_id for g in self.held)
+        return web.json_response({"received": self.received, "running": running, "blocked": blocked,
+                                  "held": held})
 
     async def introspect(self, request: web.Request) -> web.Response:
         """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
@@ -641,6 +675,7 @@ class Simulator:
         app.router.add_post("/inference/v1/abort_requests", self.abort_requests)
         app.router.add_get("/health", self.health)
         app.router.add_post("/sim/config", self.set_config)
+        app.router.add_post("/sim/release", self.release)
         app.router.add_get("/sim/{what:aborted|disconnected|requests|headers}", self.introspect)
         app.router.add_get("/sim/stats", self.stats)
         return app
