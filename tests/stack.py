@@ -155,6 +155,20 @@ class Stack:
     def sim_aborted(self) -> list[str]:
         return json.loads(http_get(self.sim_url + "/sim/aborted")[1])
 
+    def sim_headers(self) -> list[dict]:
+        """Request headers of the last 50 generate requests."""
+        return json.loads(http_get(self.sim_url + "/sim/headers")[1])
+
+    def sim_held(self) -> list[str]:
+        """Engine ids of the requests the simulator holds (``hold_after``)."""
+        return json.loads(http_get(self.sim_url + "/sim/stats")[1])["held"]
+
+    def sim_release(self) -> list[str]:
+        """Let the held requests go on; their engine ids."""
+        status, body = http_post(self.sim_url + "/sim/release", {})
+        assert status == 200, body
+        return json.loads(body)["released"]
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()

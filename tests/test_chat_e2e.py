@@ -7,6 +7,7 @@ never from the filter's own output.
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
@@ -228,6 +229,24 @@ def test_client_disconnect_aborts_the_producer_request(sim, script, qwen3_tokeni
         next(lines)
     request_id = first["id"].removeprefix("chatcmpl-")
     wait_for(lambda: f"generate-tokens-{request_id}" in sim.sim_aborted(), "the producer request to be aborted", timeout=10)
+
+
+def test_client_gone_before_a_non_streaming_answer_aborts_the_producer_request(sim, script, qwen3_tokenizer):
+    """The coupled server aborts a request whose client left, streamed or not: so does the filter,
+    for an answer that has not come yet (the producer holds it after 2 tokens)."""
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "never seen whole") + [IM_END]})
+    sim.sim_config(hold_after=2)
+    try:
+        host, port = sim.envoy_url.removeprefix("http://").split(":")
+        body = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            [engine] = wait_for(sim.sim_held, "the producer holding the request")
+        wait_for(lambda: engine in sim.sim_aborted(), "the producer request to be aborted")
+        assert engine not in sim.sim_held()
+    finally:
+        sim.sim_config()
 
 
 def test_echo_repeats_the_final_assistant_message(sim, script, qwen3_tokenizer):

@@ -28,6 +28,11 @@ from ..translate.stall import StallWatch, message as stall_message
 log = logging.getLogger("derender.chat")
 
 
+# Envoy's own answers when it stops waiting for a producer that has not answered (its route
+# timeout, its stream idle timeout): the producer may still be generating, so it is told to stop.
+ENVOY_GAVE_UP = frozenset({408, 504})
+
+
 class ChatExchange:
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
@@ -47,6 +52,7 @@ class ChatExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._answered = False  # a buffered (non-streaming) answer reached the filter whole
         self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self.client_status = 0  # what the client got (self.status is the producer's)
         self.error: str | None = None  # the first failure, as metrics and the request log name it
@@ -117,6 +123,8 @@ class ChatExchange:
         self.status = self.client_status = status
         if status != 200:
             self._failed(metrics.producer_error, "status")
+        if status in ENVOY_GAVE_UP:
+            self._abort("no answer")
         ready, self._ready = self._ready, None
         if status == 200 and self.rendered.stream:
             self.stream = ready or self.stream_class(self.model, self.rendered)
@@ -258,6 +266,7 @@ class ChatExchange:
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
         assert self.rendered is not None
+        self._answered = True
         if self.status != 200:
             return self.answer_error(producer_failure(self.status, body)), None
         try:
@@ -283,6 +292,10 @@ class ChatExchange:
             if not complete:
                 self._abort("client gone")
             self.stream.close()
+        elif self.stream is None and self.rendered is not None and not self._answered and not complete:
+            # Sent to the producer, never answered: the client left, or Envoy gave up waiting
+            # (its idle timeout before the producer's headers). The coupled server aborts too.
+            self._abort("no answer")
         rendered = self.rendered
         tail = {
             "body_ms": _ms(self._body_at),

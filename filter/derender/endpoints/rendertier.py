@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .chat import producer_error, record
+from .chat import ENVOY_GAVE_UP, producer_error, record
 from ..extproc.actions import ResponseStart, Rewrite
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..routing.producer import GENERATE_PATH, Producer
@@ -176,6 +176,7 @@ class TierExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._answered = False  # a buffered answer reached the filter whole
         self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self._watch: StallWatch | None = None  # streaming
 
@@ -228,6 +229,8 @@ class TierExchange:
         """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
         self._upstream = upstream
         self.status = self.client_status = status
+        if status in ENVOY_GAVE_UP:
+            self._abort("no answer")
         if status != 200:
             self._failed("producer_status")
         if status == 200 and self.generate.get("stream"):
@@ -370,6 +373,7 @@ class TierExchange:
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
+        self._answered = True
         if self.status != 200:
             return producer_error(self.status, body), None
         try:
@@ -420,6 +424,8 @@ class TierExchange:
             self._watch.stop()
         stream = self.stream
         if stream is not None and not stream.finished and not complete:
+            self._abort("client gone")
+        elif stream is None and not self._answered and not complete:  # sent, never answered
             self._abort("client gone")
         model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
         record(
