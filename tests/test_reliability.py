@@ -77,19 +77,32 @@ def engine_id(events: list) -> str:
 
 
 class HealthyStream:
-    """A slow, normal stream running in the background while a fault happens elsewhere."""
+    """A normal stream in flight while a fault happens elsewhere.
 
-    def __init__(self, stack, script, tok, base_url: str | None = None) -> None:
-        self.ids = encode(tok, "healthy " * 10 + "stream: 🤖 你好 done")
+    ``hold``: the producer holds it after a few tokens until ``check`` (for a filter whose stall
+    watch would not end a held stream), so it provably overlaps whatever happens meanwhile;
+    otherwise it is a slow stream, and ``check`` only sees it end well.
+    """
+
+    def __init__(self, stack, script, tok, base_url: str | None = None, hold: bool = False, words: int = 10) -> None:
+        self.stack = stack
+        self.ids = encode(tok, "healthy " * words + "stream: 🤖 你好 done")
         self.expected = tok.decode(self.ids)
         self.url = (base_url or stack.base_url) + "/chat/completions"
         self.data = b""
         self.error: BaseException | None = None
+        self.held: str | None = None
         script.set({"index": 0, "token_ids": self.ids + [IM_END]})
         before = stack.sim_received()
+        if hold:
+            stack.sim_config(hold_after=3)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         wait_for(lambda: stack.sim_received() > before, what="the healthy stream to reach the producer")
+        self.engine = "generate-tokens-" + stack.sim_requests()[-1]["request_id"].removeprefix("chatcmpl-")
+        if hold:
+            [self.held] = wait_for(stack.sim_held, what="the healthy stream held by the producer")
+            stack.sim_config()  # later requests are not held
 
     def _run(self) -> None:
         try:
@@ -98,7 +111,14 @@ class HealthyStream:
         except BaseException as exc:  # noqa: BLE001 (reported by check())
             self.error = exc
 
+    def running(self) -> bool:
+        """Whether the producer is still generating it."""
+        return self.engine in json.loads(http_get(self.stack.sim_url + "/sim/stats")[1])["running"]
+
     def check(self) -> None:
+        if self.held is not None:
+            assert self.stack.sim_held() == [self.held], "the healthy stream did not last through the fault"
+            self.stack.sim_release()
         self.thread.join(60)
         assert not self.thread.is_alive(), "the healthy stream hung"
         assert self.error is None, self.error
@@ -108,12 +128,13 @@ class HealthyStream:
 
 @pytest.fixture()
 def faulty(sim, script, qwen3_tokenizer):
-    """The stack with a slow producer (so faults happen mid-stream) and a healthy stream running."""
+    """The stack with a slow producer (so faults happen mid-stream) and a healthy stream in flight
+    through the fault (held by the producer until the test is over)."""
     sim.sim_config(delay=0.04)
-    healthy = HealthyStream(sim, script, qwen3_tokenizer)
+    healthy = HealthyStream(sim, script, qwen3_tokenizer, hold=True)
     yield sim
-    healthy.check()
     sim.sim_config()  # faults off
+    healthy.check()
 
 
 # -- producer faults ------------------------------------------------------------------------
@@ -389,14 +410,13 @@ class RaisingHermes(Hermes2ProToolParser):
 
 class Spare:
     """A filter of its own (qwen3 + a tool parser that raises on odd input) and its Envoy,
-    sharing the plain stack's producer; it may be killed and restarted."""
+    sharing the plain stack's producer; it may be killed and restarted. ``flags``: more of them."""
 
-    def __init__(self, qwen3_dir: str, plugin: str, producer: str) -> None:
+    def __init__(self, qwen3_dir: str, plugin: str, producer: str, flags: tuple[str, ...] = ()) -> None:
         self.flags = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
                       "--reasoning-parser", "qwen3", "--tool-call-parser", "raising_hermes",
                       "--enable-auto-tool-choice", "--tool-parser-plugin", plugin,
-                      "--stall-timeout", "1.5",  # Envoy's stream idle timeout stays 300 s
-                      "--workers", "1"]  # one process: a failing stream and a healthy one share it
+                      "--workers", "1", *flags]  # one process: a failing stream and a healthy one share it
         self.producer = producer
         self.filter, self.port = start_filter(self.flags, producer)
         self.envoy, self.base = start_envoy(self.port, producer)
@@ -410,10 +430,28 @@ class Spare:
 
 
 @pytest.fixture(scope="module")
-def spare(plain_stack, qwen3_dir, tmp_path_factory):
-    plugin = tmp_path_factory.mktemp("plugin") / "raising_hermes.py"
-    plugin.write_text(PLUGIN)
-    s = Spare(qwen3_dir, str(plugin), plain_stack.sim_url)
+def plugin(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("plugin") / "raising_hermes.py"
+    path.write_text(PLUGIN)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def spare(plain_stack, qwen3_dir, plugin):
+    s = Spare(qwen3_dir, plugin, plain_stack.sim_url)
+    yield s
+    s.stop()
+
+
+STALL_TIMEOUT = "1.5"
+
+
+@pytest.fixture(scope="module")
+def staller(plain_stack, qwen3_dir, plugin):
+    """A spare filter whose stall watch ends a stream after 1.5 s of producer silence (Envoy's
+    stream idle timeout stays 300 s); only the stall test uses it, so no other stream is judged
+    by so short a timeout."""
+    s = Spare(qwen3_dir, plugin, plain_stack.sim_url, ("--stall-timeout", STALL_TIMEOUT))
     yield s
     s.stop()
 
@@ -423,7 +461,7 @@ TOOLS = [{"type": "function", "function": {"name": "explode", "parameters": {"ty
 
 def test_parser_raising_ends_only_its_stream(spare, sim, script, qwen3_tokenizer):
     sim.sim_config(delay=0.04)
-    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1")
+    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1", hold=True)
     answer = '<think>\nok\n</think>\n\nSure.<tool_call>\n{"name": "explode", "arguments": {}}\n</tool_call>'
     ids = encode(qwen3_tokenizer, answer)
     script.set({"index": 0, "token_ids": ids + [IM_END]})
@@ -439,12 +477,14 @@ def test_parser_raising_ends_only_its_stream(spare, sim, script, qwen3_tokenizer
     healthy.check()  # the other stream on the same filter went on
 
 
-def test_producer_stall_ends_with_an_error_event(spare, sim, script, qwen3_tokenizer):
+def test_producer_stall_ends_with_an_error_event(staller, sim, script, qwen3_tokenizer):
     """Silent past the filter's --stall-timeout (1.5 s) but well within Envoy's idle timeout: the
     filter aborts the producer request, and the client gets every token so far, an error event and
-    [DONE], a clean end instead of Envoy's cut."""
+    [DONE], a clean end instead of Envoy's cut. A stream of ~8 s of tokens on the same process
+    is still being generated when the stalled one has ended, then completes."""
+    spare = staller
     sim.sim_config(delay=0.04)
-    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1")
+    healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=spare.base + "/v1", words=200)
     ids = encode(qwen3_tokenizer, "alpha beta gamma delta epsilon zeta eta theta")
     script.set({"index": 0, "token_ids": ids + [IM_END]})
     sim.sim_config(delay=0.04, fault="stall", fault_after=5)
@@ -460,10 +500,12 @@ def test_producer_stall_ends_with_an_error_event(spare, sim, script, qwen3_token
     events = events_of(data)
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
-    assert error["code"] == 504 and "nothing for 1.5 s" in error["message"], error
+    assert error["code"] == 504 and f"nothing for {STALL_TIMEOUT} s" in error["message"], error
     assert answer_of(events[:-2]) == qwen3_tokenizer.decode(ids[:5])  # every token before the stall
     assert took < 30, "the stall was not cut by the filter"
+    assert healthy.running(), "the healthy stream did not overlap the stall"
     wait_for(lambda: engine_id(events) in sim.sim_aborted(), what="the stalled request to be aborted")
+    assert healthy.engine not in sim.sim_aborted()
     healthy.check()
 
 
@@ -667,16 +709,14 @@ def test_sigterm_drains_open_streams_and_refuses_new_ones(plain_stack, qwen3_dir
     envoy, base = start_envoy(port, plain_stack.sim_url)
     try:
         assert health.check(f"127.0.0.1:{port}")
-        sim.sim_config(hold_after=3)  # the stream is in flight until the producer is released
-        healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=base + "/v1")
-        wait_for(sim.sim_held, what="the stream held by the producer, mid-way")
+        # In flight, held by the producer, until healthy.check() releases it.
+        healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=base + "/v1", hold=True)
         os.killpg(flt.proc.pid, signal.SIGTERM)
         wait_for(lambda: not health.check(f"127.0.0.1:{port}", timeout=1), what="the filter to stop serving health checks")
         r = httpx.post(base + "/v1/chat/completions", json=chat(stream=False), timeout=30)
         assert r.status_code == 502 and r.json()["error"]["message"].startswith("the derender filter failed or is unreachable")
-        assert flt.proc.poll() is None and sim.sim_held(), "the filter left, or the stream ended, before the drain"
-        sim.sim_release()
-        healthy.check()  # all of it, then [DONE]
+        assert flt.proc.poll() is None, "the filter left before its stream was done"
+        healthy.check()  # still held (so still open), then released: all of it, then [DONE]
         assert flt.proc.wait(timeout=30) == 0
         log = flt.log.read_text(errors="replace")
         assert "draining 1 open streams" in log and "drained in" in log
