@@ -237,6 +237,7 @@ def test_an_abort_reaches_the_replica_that_runs_the_request(sim, script, qwen3_t
     received = lambda url: json.loads(http_get(url + "/sim/stats")[1])["received"]
     aborted = lambda url: json.loads(http_get(url + "/sim/aborted")[1])
     running = lambda url: json.loads(http_get(url + "/sim/stats")[1])["running"]
+    filter_log = next(p for p in sim.procs if p.name == "filter").log
     served = []
     try:
         for stream in (True, False, True, False):
@@ -251,12 +252,22 @@ def test_an_abort_reaches_the_replica_that_runs_the_request(sim, script, qwen3_t
             engine = engine_id(events)
             wait_for(lambda: engine in aborted(replicas[name]) and engine not in running(replicas[name]),
                      what=f"the abort of {engine} at the {name} replica, which runs it")
+            # The filter logs every abort it sends, as it sends it (one line per attempt, fallbacks
+            # included): one attempt, at that replica, taken.
+            attempts = wait_for(lambda: [line for line in filter_log.read_text(errors="replace").splitlines()
+                                         if engine in line and "abort" in line], what="the filter's abort log")
+            assert len(attempts) == 1 and attempts[0].endswith(f"at {replicas[name]}: ok"), attempts
             assert engine not in aborted(other)
-            served.append(name)
+            served.append((name, engine))
     finally:
         for url in replicas.values():
             http_post(url + "/sim/config", {"delay": 0.0})
-    assert set(served) == {"first", "second"}, served  # Envoy's round robin used both
+    assert {name for name, _ in served} == {"first", "second"}, served  # Envoy's round robin used both
+    # Seconds later, after every other request: still only the replica that ran each one.
+    for name, engine in served:
+        assert [n for n, url in replicas.items() if engine in aborted(url)] == [name], engine
+        assert sum(engine in line for line in filter_log.read_text(errors="replace").splitlines()
+                   if "abort" in line) == 1, engine
 
 
 def test_an_abort_falls_back_to_the_configured_producers(sim, two_replicas):
