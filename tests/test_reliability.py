@@ -252,8 +252,8 @@ def test_an_abort_reaches_the_replica_that_runs_the_request(sim, script, qwen3_t
             engine = engine_id(events)
             wait_for(lambda: engine in aborted(replicas[name]) and engine not in running(replicas[name]),
                      what=f"the abort of {engine} at the {name} replica, which runs it")
-            # The filter logs every abort it sends, as it sends it (one line per attempt, fallbacks
-            # included): one attempt, at that replica, taken.
+            # The filter logs each abort once all its calls are over (fallbacks included): so this
+            # line is all it did for the request, one call, at that replica, taken.
             attempts = wait_for(lambda: [line for line in filter_log.read_text(errors="replace").splitlines()
                                          if engine in line and "abort" in line], what="the filter's abort log")
             assert len(attempts) == 1 and attempts[0].endswith(f"at {replicas[name]}: ok"), attempts

@@ -34,6 +34,14 @@ def replica_url(base_url: str, upstream: str | None) -> str | None:
     return f"{urlsplit(base_url).scheme or 'http'}://{upstream}"
 
 
+def log_abort(request_id: str, why: str, attempts: list[tuple[str, str]]) -> bool:
+    """One line per abort, once every call it made is over; whether one of them was taken."""
+    ok = any(outcome == "ok" for _, outcome in attempts)
+    where = ", ".join(f"at {url}: {outcome}" for url, outcome in attempts)
+    log.log(logging.INFO if ok else logging.WARNING, "aborted producer request %s (%s) %s", request_id, why, where)
+    return ok
+
+
 class Producer:
     """One producer base URL (``http://host:port``)."""
 
@@ -59,23 +67,21 @@ class Producer:
 
     async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
         """At the replica Envoy reached (``upstream``) if known and reachable, else at ``url``."""
-        if await self.abort_at_replica(request_id, why, upstream):
-            return True
-        return await self.post_abort(self.url, request_id, why)
-
-    async def abort_at_replica(self, request_id: str, why: str, upstream: str | None) -> bool:
+        attempts = []
         url = replica_url(self.url, upstream)
-        return url is not None and await self.post_abort(url, request_id, why)
+        if url is not None:
+            attempts.append((url, await self.post_abort(url, request_id)))
+        if not attempts or attempts[-1][1] != "ok":
+            attempts.append((self.url, await self.post_abort(self.url, request_id)))
+        return log_abort(request_id, why, attempts)
 
-    async def post_abort(self, url: str, request_id: str, why: str) -> bool:
+    async def post_abort(self, url: str, request_id: str) -> str:
+        """One abort call; its outcome: ``ok``, ``refused`` (an error status) or ``failed (why)``."""
         try:
             async with self._client().post(url + ABORT_PATH, json={"request_ids": [request_id]}) as r:
-                ok = r.status == 200
+                return "ok" if r.status == 200 else "refused"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning("abort of %s at %s failed: %s", request_id, url, exc)
-            return False
-        log.info("aborted producer request %s (%s) at %s: %s", request_id, why, url, "ok" if ok else "refused")
-        return ok
+            return f"failed ({exc or type(exc).__name__})"
 
     async def close(self) -> None:
         if self._tasks:

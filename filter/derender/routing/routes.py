@@ -21,7 +21,7 @@ import orjson
 
 from ..translate.errors import HTTPError, anthropic_error_body, dumps
 from ..translate.model import Model
-from .producer import Producer
+from .producer import Producer, log_abort, replica_url
 from ..extproc.actions import Reply, Rewrite
 
 CLUSTER_HEADER = "x-derender-cluster"
@@ -53,10 +53,17 @@ class ClusterProducers:
         self.producers[0].spawn(self.abort(request_id, why, upstream))
 
     async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
-        if await self.producers[0].abort_at_replica(request_id, why, upstream):
-            return True
-        sent = await asyncio.gather(*(p.post_abort(p.url, request_id, why) for p in self.producers))
-        return any(sent)
+        first = self.producers[0]
+        url = replica_url(first.url, upstream)
+        if url is not None:
+            outcome = await first.post_abort(url, request_id)
+            if outcome == "ok":
+                return log_abort(request_id, why, [(url, outcome)])
+            tried = [(url, outcome)]
+        else:
+            tried = []
+        outcomes = await asyncio.gather(*(p.post_abort(p.url, request_id) for p in self.producers))
+        return log_abort(request_id, why, tried + [(p.url, o) for p, o in zip(self.producers, outcomes)])
 
 
 def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
