@@ -119,22 +119,33 @@ def qwen3_model(qwen3_dir):
     return Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=4096))
 
 
-def render(model, n: int):
-    from derender.translate.render import render_chat
-
-    body = {
+def chat_body(n: int) -> dict:
+    return {
         "model": "qwen3",
         "messages": [{"role": "user", "content": "hi"}],
         "stream": True,
         "n": n,
         "stream_options": {"include_usage": True},
     }
-    return asyncio.run(render_chat(model, json.dumps(body).encode(), None))
 
 
-def producer_stream(choices: list[list[int]], sizes: list[int], finish_only_tail: bool) -> bytes:
-    """vLLM's token events for ``choices`` (ids ending in EOS), grouped by ``sizes`` (cycled),
-    choices interleaved step by step as the engine interleaves them, then usage and [DONE]."""
+def render(model, n: int):
+    from derender.translate.render import render_chat
+
+    return asyncio.run(render_chat(model, json.dumps(chat_body(n)).encode(), None))
+
+
+@pytest.fixture(scope="module")
+def coupled(qwen3_dir):
+    """vLLM's own coupled chat server for the same model (its OutputProcessor and detokenizer)."""
+    from reference import CoupledChat
+
+    return CoupledChat(qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096")
+
+
+def engine_steps(choices: list[list[int]], sizes: list[int], finish_only_tail: bool) -> list[tuple[int, list[int], bool]]:
+    """(choice index, ids, final) per engine step: ``choices`` grouped by ``sizes`` (cycled),
+    interleaved step by step as the engine interleaves them."""
     per_choice = []
     for index, ids in enumerate(choices):
         groups, at, k = [], 0, 0
@@ -148,16 +159,18 @@ def producer_stream(choices: list[list[int]], sizes: list[int], finish_only_tail
         else:
             steps[-1] = (index, groups[-1], True)
         per_choice.append(steps)
+    return [steps[t] for t in range(max(len(s) for s in per_choice)) for steps in per_choice if t < len(steps)]
+
+
+def producer_stream(choices: list[list[int]], sizes: list[int], finish_only_tail: bool) -> bytes:
+    """vLLM's token events for ``choices`` (ids ending in EOS) by ``engine_steps``, then usage and [DONE]."""
     frames = []
-    for t in range(max(len(s) for s in per_choice)):
-        for steps in per_choice:
-            if t < len(steps):
-                index, ids, final = steps[t]
-                choice = {"index": index, "finish_reason": "stop" if final else None, "stop_reason": None,
-                          "token_ids": ids, "routed_experts": None, "sampling_mask": None,
-                          "weight_versions": None, "logprobs": None}
-                chunk = {"request_id": "generate-tokens-p", "usage": None, "output_mode": "tokens", "choices": [choice]}
-                frames.append(pydantic_core.to_json(chunk))
+    for index, ids, final in engine_steps(choices, sizes, finish_only_tail):
+        choice = {"index": index, "finish_reason": "stop" if final else None, "stop_reason": None,
+                  "token_ids": ids, "routed_experts": None, "sampling_mask": None,
+                  "weight_versions": None, "logprobs": None}
+        chunk = {"request_id": "generate-tokens-p", "usage": None, "output_mode": "tokens", "choices": [choice]}
+        frames.append(pydantic_core.to_json(chunk))
     total = sum(len(ids) for ids in choices)
     usage = {"prompt_tokens": 9, "total_tokens": 9 + total, "completion_tokens": total}
     frames.append(pydantic_core.to_json({"request_id": "generate-tokens-p", "usage": usage, "output_mode": "tokens", "choices": []}))
@@ -236,8 +249,9 @@ def test_no_token_lost_or_invented_for_any_split(qwen3_model, qwen3_tokenizer, t
     sizes=st.lists(st.integers(1, 4), max_size=5),
     data=st.data(),
 )
-def test_any_ids_any_split_same_bytes_as_unsplit(qwen3_model, ids, sizes, data):
-    """Arbitrary ids (special tokens, half characters): the split never changes what the client gets."""
+def test_any_ids_any_split_same_bytes_as_unsplit(qwen3_model, coupled, ids, sizes, data):
+    """Arbitrary ids (special tokens, half characters): the split never changes what the client gets,
+    and each choice's text is what vLLM's coupled server sends for the same ids."""
     stream = producer_stream([i + [IM_END] for i in ids], sizes, False)
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=80), label="cuts")
     rendered = render(qwen3_model, len(ids))
@@ -245,6 +259,13 @@ def test_any_ids_any_split_same_bytes_as_unsplit(qwen3_model, ids, sizes, data):
     split = client_events(through_filter(qwen3_model, rendered, split_at(stream, cuts)))
     assert normalized(split) == normalized(whole)
     assert whole[-1] == "[DONE]" and whole[-2]["usage"]["completion_tokens"] == sum(len(i) + 1 for i in ids)
+    # And what it gets is what vLLM's coupled server sends for the same engine steps.
+    from reference import Step
+
+    steps = [Step(index, list(step_ids), "stop" if final else None)
+             for index, step_ids, final in engine_steps([i + [IM_END] for i in ids], sizes, False)]
+    theirs, _ = coupled.run(chat_body(len(ids)), steps)
+    assert contents(whole, len(ids)) == contents(theirs, len(ids))
 
 
 def test_one_byte_at_a_time_in_process(qwen3_model, qwen3_tokenizer):

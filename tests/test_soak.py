@@ -8,7 +8,10 @@ producer is the simulator in echo mode, pacing each event
 (two shared cores run the client, Envoy, the filter and the simulator).
 Every stream must end with ``[DONE]``, finish_reason "stop" and exactly the
 text of its own prompt (the tokenizer's round trip); none may stall; the
-filter's memory must come back near where it was after a warm-up round.
+producer must have seen nearly all of them in flight at once; every filter
+worker must have had its share (the kernel spreads Envoy's one-stream
+connections over them); the filter's and Envoy's memory must come back near
+where they were after a warm-up round.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import httpx
 import psutil
 import pytest
+import yaml
 from stack import Stack
 
 STREAMS = int(os.environ.get("DERENDER_SOAK_STREAMS", "1000"))
@@ -120,10 +125,34 @@ async def run_slots(url: str, tok, slots: int, seconds: float, tally: Tally, sta
         await asyncio.gather(*(slot(i) for i in range(slots)))
 
 
+def cpu_seconds(p: psutil.Process) -> float:
+    times = p.cpu_times()
+    return times.user + times.system
+
+
+def envoy_allocated(admin: str) -> int:
+    """Bytes Envoy's allocator has handed out and not had back (its admin /memory ``allocated``):
+    unlike RSS, it falls when Envoy frees memory, which tcmalloc keeps for later."""
+    return int(httpx.get(admin + "/memory", timeout=30).json()["allocated"])
+
+
+def envoy_admin(proc) -> str:
+    config = yaml.safe_load(Path(proc.argv[proc.argv.index("-c") + 1]).read_text())
+    return f"http://127.0.0.1:{config['admin']['address']['socket_address']['port_value']}"
+
+
+def in_flight(sim_url: str) -> int:
+    """Requests the producer is generating now."""
+    return len(httpx.get(sim_url + "/sim/stats", timeout=30).json()["running"])
+
+
 def test_soak(soak_stack, qwen3_tokenizer):
     url = soak_stack.base_url + "/chat/completions"
     filter_pid = soak_stack.proc("filter").proc.pid
     envoy = psutil.Process(soak_stack.proc("envoy").proc.pid)
+    admin = envoy_admin(soak_stack.proc("envoy"))
+    workers = psutil.Process(filter_pid).children()
+    assert len(workers) >= 2, "the filter runs one process: nothing to spread"
 
     # Warm-up: every worker has served, its caches are filled.
     soak_stack.sim_config(delay=0.05)
@@ -132,17 +161,21 @@ def test_soak(soak_stack, qwen3_tokenizer):
     assert not warm.failures, warm.failures[:5]
     time.sleep(3)
     baseline, envoy_baseline = footprint(filter_pid), envoy.memory_info().rss
+    allocated_baseline = envoy_allocated(admin)
+    cpu_before = [cpu_seconds(w) for w in workers]
 
     soak_stack.sim_config(delay=DELAY)
     tally = Tally()
-    peak = [baseline, envoy_baseline]
+    peak = [baseline, envoy_baseline, 0, allocated_baseline]  # filter RSS, Envoy RSS, in flight at the producer, Envoy allocated
 
     async def soak() -> None:
-        async def sample() -> None:  # (reading /proc in a thread: the client loop keeps reading streams)
+        async def sample() -> None:  # (reading /proc and the simulator in threads: the client loop keeps reading streams)
             loop = asyncio.get_running_loop()
             while True:
                 peak[0] = max(peak[0], await loop.run_in_executor(None, footprint, filter_pid))
                 peak[1] = max(peak[1], envoy.memory_info().rss)
+                peak[2] = max(peak[2], await loop.run_in_executor(None, in_flight, soak_stack.sim_url))
+                peak[3] = max(peak[3], await loop.run_in_executor(None, envoy_allocated, admin))
                 await asyncio.sleep(2)
 
         task = asyncio.create_task(sample())
@@ -159,13 +192,16 @@ def test_soak(soak_stack, qwen3_tokenizer):
     # Nothing left behind at the producer; memory back near the baseline.
     stats = httpx.get(soak_stack.sim_url + "/sim/stats", timeout=10).json()
     aborted = httpx.get(soak_stack.sim_url + "/sim/aborted", timeout=10).json()
+    cpu = [cpu_seconds(w) - before for w, before in zip(workers, cpu_before)]
     time.sleep(5)
-    after = footprint(filter_pid)
+    after, envoy_after, allocated_after = footprint(filter_pid), envoy.memory_info().rss, envoy_allocated(admin)
     report = (
-        f"soak: {tally.streams} streams ({STREAMS} concurrent, {SECONDS:.0f} s of starts, {DELAY} s per event), "
-        f"{tally.tokens} tokens, {duration:.0f} s; filter RSS baseline {baseline >> 20} MiB, "
-        f"peak {peak[0] >> 20} MiB, after {after >> 20} MiB; Envoy RSS {envoy_baseline >> 20} -> peak {peak[1] >> 20} MiB; "
-        f"failures {len(tally.failures)}"
+        f"soak: {tally.streams} streams ({STREAMS} slots, at most {peak[2]} in flight at the producer, "
+        f"{SECONDS:.0f} s of starts, {DELAY} s per event), {tally.tokens} tokens, {duration:.0f} s; "
+        f"worker CPU {', '.join(f'{c:.1f}' for c in cpu)} s; filter RSS baseline {baseline >> 20} MiB, "
+        f"peak {peak[0] >> 20} MiB, after {after >> 20} MiB; Envoy RSS {envoy_baseline >> 20} MiB, "
+        f"peak {peak[1] >> 20} MiB, after {envoy_after >> 20} MiB; Envoy allocated {allocated_baseline >> 20} MiB, "
+        f"peak {peak[3] >> 20} MiB, after {allocated_after >> 20} MiB; failures {len(tally.failures)}"
     )
     print("\n" + report)
     (soak_stack.proc("filter").log.parent / "soak-report.txt").write_text(report + "\n")
@@ -173,4 +209,9 @@ def test_soak(soak_stack, qwen3_tokenizer):
     assert tally.streams >= STREAMS  # every slot completed at least one stream
     assert stats["running"] == {}, "producer requests still running after every client finished"
     assert aborted == [], "a stream was cut although every client read to the end"
+    assert peak[2] >= 0.9 * STREAMS, f"the streams were not concurrent: {report}"
+    assert min(cpu) >= 0.25 * max(cpu), f"one worker got most of the streams: {report}"
     assert after - baseline <= max(64 << 20, (peak[0] - baseline) // 4), report
+    # Envoy keeps its idle connections to the filter and the producer pooled (one per stream
+    # that ran at once): about half of the peak stays allocated (56 of 115 MiB measured).
+    assert allocated_after - allocated_baseline <= max(16 << 20, (peak[3] - allocated_baseline) * 3 // 4), report
