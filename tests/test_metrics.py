@@ -480,6 +480,36 @@ def _quiet(check):
 
 
 
+def test_busy_ratio_is_cpu_over_wall_time_of_the_last_window():
+    """The busy ratio's arithmetic, on given clocks: thread CPU time over wall time, over the last
+    10 s of ticks (the oldest tick kept is the last one at least 10 s back)."""
+    from derender.ops.loopwatch import LoopWatch
+
+    watch = LoopWatch(window=10.0)
+    ratios = [watch.sample(0.0, wall=w, cpu=c) for w, c in [(0, 0), (5, 2.5), (10, 5), (15, 10), (20, 10), (30, 10)]]
+    assert ratios == [0.0, 0.5, 0.5, 0.75, 0.5, 0.0]
+
+
+def test_event_loop_saturation_signal_per_worker(ms):
+    """Each worker's loop reports its busy ratio (one gauge per worker, by pid) and the lateness of
+    its ticks (one histogram for all workers): ticks keep coming, ten a second per worker."""
+    import psutil
+
+    workers = {str(p.pid) for p in psutil.Process(ms.filter.proc.pid).children()}
+    assert len(workers) >= 2
+    lag = "derender_event_loop_lag_seconds_count"
+
+    def busy(m: Metrics) -> dict[str, float]:
+        return {dict(labels)["pid"]: value for (name, labels), value in m.samples.items()
+                if name == "derender_event_loop_busy_ratio"}
+
+    before = ms.scrape()
+    after = ms.settled(lambda m: m.get(lag) >= before.get(lag) + 10 * len(workers) and set(busy(m)) == workers,
+                       "every worker ticking")
+    assert all(0.0 <= v <= 1.0 for v in busy(after).values()), busy(after)
+    assert after.get("derender_event_loop_lag_seconds_bucket", le="+Inf") == after.get(lag)
+
+
 @pytest.mark.parametrize("path, operation", [("/v1/messages", "messages"), ("/v1/responses", "responses")])
 def test_agent_endpoints_are_counted_and_logged_as_their_operation(ms, qwen3_tokenizer, path, operation):
     """The chat path's metrics and request log, for Anthropic Messages and OpenAI Responses."""

@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
-from ..ops import auth, metrics
+from ..ops import auth, loopwatch, metrics
 from ..endpoints.chat import ChatExchange
 from .actions import ResponseStart, Rewrite
 from ..translate.errors import HTTPError, from_exception
@@ -264,12 +264,15 @@ async def serve(
         raise OSError(f"cannot listen on {address}")
     await server.start()
     metrics.start_server()
+    watch = loopwatch.start()
     log.info("ext_proc listening on %s, producer %s", address, producer_url)
     if ready is not None:
         ready.set()
     try:
         await _until_terminated(server, health, processor)
     finally:
+        if watch is not None:
+            watch.cancel()
         await server.stop(grace=2)
         await producer.close()
 

@@ -118,6 +118,31 @@ class _PooledCollector(multiprocess.MultiProcessCollector):
         return super().collect()
 
 
+_loop_busy: Gauge | None = None
+
+
+def loop_busy() -> Gauge:
+    """The busy-ratio gauge, made on first use: in the worker, so that the supervisor (which
+    forks the workers and runs no loop of streams) has no series of its own."""
+    global _loop_busy
+    if _loop_busy is None:
+        _loop_busy = Gauge(
+            "derender_event_loop_busy_ratio",
+            "Per worker (pid): share of the last 10 s its event loop's thread spent on the CPU; near 1 the "
+            "worker is saturated",
+            registry=REGISTRY,
+            multiprocess_mode="liveall",
+        )
+    return _loop_busy
+
+LOOP_LAG = Histogram(
+    "derender_event_loop_lag_seconds",
+    "How late a tick scheduled every 0.1 s on a worker's event loop runs (all workers)",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    registry=REGISTRY,
+)
+
+
 def configure(host: str, port: int | None) -> None:
     """Where ``start_server`` listens; no port, no metrics server."""
     global _listen
