@@ -9,7 +9,7 @@ and what the metrics say meanwhile: ``derender_event_loop_busy_ratio`` per worke
 over workers, sampled every second once the 10 s window is full of load) and the ticks'
 lateness from ``derender_event_loop_lag_seconds`` (p50 / p99 from the histogram's buckets).
 
-    .venv/bin/python bench/saturation.py [--levels 16,64,256,512,1024] [--out bench/SATURATION.md]
+    .venv/bin/python bench/saturation.py [--levels 16,64,128,256,512] [--out bench/SATURATION.md]
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ def quantile(before: dict, after: dict, q: float) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--levels", default="16,64,256,512,1024", help="concurrent streams, comma-separated")
+    parser.add_argument("--levels", default="16,64,128,256,512", help="concurrent streams, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="about how long each level runs")
     parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events")
+    parser.add_argument("--max-tokens", type=int, default=150_000, help="cap per level, past saturation")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=None, help="markdown report (default: print only)")
     args = parser.parse_args()
@@ -104,7 +105,9 @@ def main() -> int:
         rows = []
         for level in [int(x) for x in args.levels.split(",")]:
             per_stream = TOKENS * args.delay
-            count = max(level, int(level * args.seconds / per_stream))
+            # About --seconds of streams if the filter keeps up; past saturation, at most
+            # --max-tokens tokens (a minute or so here), never fewer than two rounds.
+            count = max(2 * level, min(int(level * args.seconds / per_stream), args.max_tokens // TOKENS))
             samples: list[float] = []
             stop = threading.Event()
             began = time.monotonic()
