@@ -168,6 +168,43 @@ def test_producer_endpoint_is_not_exposed(sim):
     assert sim.sim_received() == before
 
 
+# What a plain `vllm serve` of this model answers and the filter does not (the README's list).
+NOT_SERVED = [("GET", "/version"), ("GET", "/load"), ("GET", "/metrics"), ("POST", "/v1/chat/completions/render"),
+              ("POST", "/v1/completions/render"), ("POST", "/v1/load_lora_adapter"), ("POST", "/reset_prefix_cache"),
+              ("POST", "/sleep"), ("POST", "/v1/embeddings")]
+
+
+@pytest.mark.parametrize("method, path", NOT_SERVED)
+def test_what_is_not_served_is_an_openai_404(sim, method, path):
+    before = sim.sim_received()
+    r = httpx.request(method, sim.envoy_url + path, json={"model": "qwen3"}, timeout=10)
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": f"Route {method} {path} is not served here", "type": "NotFoundError",
+                                  "param": None, "code": 404}}
+    assert sim.sim_received() == before
+
+
+def test_image_input_to_a_text_model_is_vllms_400(sim, qwen3_dir):
+    """Image parts for the text-only Qwen3: the 400 vLLM's own chat server gives, before any producer."""
+    from reference import CoupledChat, Step
+
+    png = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAA"
+           "AABJRU5ErkJggg==")
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": png}}]}]}
+    before = sim.sim_received()
+    r = httpx.post(sim.envoy_url + "/v1/chat/completions", json=body, timeout=30)
+    assert sim.sim_received() == before
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    try:  # vLLM's chat server raises; its app's exception handler answers with this
+        CoupledChat(qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096").run(body, [Step(0, [])])
+    except ValueError as exc:
+        coupled = create_error_response(exc)
+    assert r.status_code == coupled.error.code == 400
+    assert r.json() == coupled.model_dump()
+
+
 def test_models_and_health(sim, client):
     assert [m.id for m in client.models.list().data] == ["qwen3"]
     assert http_get(sim.envoy_url + "/health")[0] == 200
