@@ -40,7 +40,10 @@ real-vllm:
 	PYTHON=$(PYTHON) bash tests/real_vllm/setup.sh
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/run.py
+	$(BIN)/python bench/saturation.py --out bench/SATURATION.md
+	$(BIN)/python bench/plots.py
 
 clean:
 	rm -rf $(VENV)
