@@ -459,6 +459,75 @@ def test_echo_other_templates(vllm, model, prompt):
     assert tok.decode(choice.token_ids[:-1]).endswith("Echo me, please")
 
 
+def test_prefix_cache_reports_cached_blocks_and_prefills_the_rest(vllm):
+    """The prefix-cache model: a repeated prompt finds its full 16-token blocks (its answer's too,
+    for the next turn), reported as vLLM does with --enable-prompt-tokens-details; a prompt that
+    shares nothing finds nothing; the prefill wait covers only the tokens not found."""
+    first = list(range(1000, 1040))  # 2 full blocks and 8 tokens
+
+    async def go(client):
+        out = []
+
+        async def ask(prompt):
+            resp = await client.post("/inference/v1/generate", json=body(token_ids=prompt))
+            out.append(vllm.p.GenerateTokensResponse.model_validate_json(await resp.text()))
+            return out[-1].choices[0].token_ids
+
+        answer = await ask(first)
+        await ask(first)
+        await ask(first + answer + list(range(5000, 5020)))
+        await ask(list(range(7000, 7040)))
+        out.append(answer)
+        stream = await client.post("/inference/v1/generate", json=body(
+            token_ids=first, stream=True, stream_options={"include_usage": True}))
+        events = [line[6:] for line in (await stream.text()).split("\n\n") if line.startswith("data: {")]
+        out.append(vllm.p.GenerateTokensStreamResponse.model_validate_json(events[-1]))
+        return out
+
+    app = sim.build_app(QWEN, prefix_cache_blocks=100, prompt_tokens_details=True)
+    cold, warm, next_turn, other, answer, streamed = run(app, go)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (cold, warm, next_turn, other, streamed)]
+    # The next turn holds the first prompt and its answer: their full blocks are all cached.
+    assert len(first) + len(answer) >= 48
+    assert cached == [0, 32, (len(first) + len(answer)) // 16 * 16, 0, 32]
+
+
+def test_prefix_cache_evicts_the_least_recent_blocks():
+    cache = sim.PrefixCache(4)
+    a, b = list(range(64)), list(range(100, 164))  # 4 blocks each
+    cache.store(a)
+    assert cache.cached_tokens(a) == 64
+    cache.store(b)  # a's blocks are evicted
+    assert cache.cached_tokens(a) == 0 and cache.cached_tokens(b) == 64
+    assert cache.cached_tokens(b[:16] + a[16:]) == 16  # a chain: a later block counts only after its parents
+    assert sim.PrefixCache(0).cached_tokens(a) == 0
+
+
+def test_prefill_wait_is_for_uncached_tokens_only():
+    """The wait before the first token, at 1 ms per uncached token (no clock: the simulator's
+    sleep is replaced by a recorder)."""
+    waits = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(seconds, *args):
+        if seconds >= 0.01:
+            waits.append(round(seconds, 6))
+        await real_sleep(0)
+
+    prompt = list(range(2000, 2064))  # 4 blocks
+
+    async def go(client):
+        for _ in range(2):
+            await (await client.post("/inference/v1/generate", json=body(token_ids=prompt))).read()
+
+    sim.asyncio.sleep = recorded
+    try:
+        run(sim.build_app(QWEN, prefix_cache_blocks=100, prefill_us_per_token=1000), go)
+    finally:
+        sim.asyncio.sleep = real_sleep
+    assert waits == [0.064]  # the second time, every block was cached: no wait
+
+
 def test_cli_arguments():
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
 import json
 import math
 import random
@@ -174,6 +175,7 @@ class _Generation:
     fault_after: int = 0
     hold_after: int | None = None
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
     def closed(self) -> bool:
         transport = self.request.transport
@@ -198,11 +200,53 @@ async def _drop(request: web.Request) -> None:
     transport.abort()
 
 
+class PrefixCache:
+    """vLLM's prefix cache, modelled: an LRU of full blocks of ``BLOCK`` tokens, each known by
+    the hash of its whole prefix (a chain, as vLLM hashes them). A request finds the leading
+    blocks of its prompt that are cached; when it ends, its prompt and output blocks are cached.
+    ``capacity`` 0: no cache (nothing is ever found)."""
+
+    BLOCK = 16
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, int(capacity))
+        self.blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def chain(self, token_ids: list[int]) -> list[bytes]:
+        hashes, parent = [], b""
+        for start in range(0, len(token_ids) // self.BLOCK * self.BLOCK, self.BLOCK):
+            block = token_ids[start:start + self.BLOCK]
+            parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block),
+                                     digest_size=16).digest()
+            hashes.append(parent)
+        return hashes
+
+    def cached_tokens(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` found in the cache (whole leading blocks), which become recent."""
+        found = 0
+        for h in self.chain(prompt):
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            found += 1
+        return found * self.BLOCK
+
+    def store(self, token_ids: list[int]) -> None:
+        if not self.capacity:
+            return
+        for h in self.chain(token_ids):
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+
 class Simulator:
     def __init__(self, model_dir: str, mode: str = "echo", script: str | None = None,
                  tokens_per_event: int | str = 1, delay: float = 0.0,
                  finish_only_tail: bool = False, error_after: int | None = None,
-                 http_error: int | None = None):
+                 http_error: int | None = None, prefix_cache_blocks: int = 0,
+                 prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
         folder = Path(model_dir).expanduser()
@@ -227,6 +271,9 @@ class Simulator:
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
         self.held: set[_Generation] = set()
         self.hold_after: int | None = None
+        self.cache = PrefixCache(prefix_cache_blocks)
+        self.prefill_us_per_token = prefill_us_per_token
+        self.prompt_tokens_details = prompt_tokens_details
 
     def configure(self, mode: str | None = None, script: str | None = None,
                   tokens_per_event: int | str | None = None, delay: float | None = None,
@@ -398,12 +445,19 @@ class Simulator:
                 yield c, c.sent, c.sent, True
 
     @staticmethod
-    def _usage(prompt: int, completion: int, details: bool = True) -> dict:
+    def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict:
+        """vLLM's UsageInfo; ``cached``: the prompt tokens found in the prefix cache, which vLLM
+        reports (``prompt_tokens_details.cached_tokens``) with --enable-prompt-tokens-details."""
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
                  "completion_tokens": completion}
         if details:
             usage.update(prompt_tokens_details=None, completion_tokens_details=None)
+        if cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
+
+    def _cached(self, gen: _Generation) -> int | None:
+        return gen.cached_tokens if self.prompt_tokens_details else None
 
     @staticmethod
     def _choice(c: _Choice, start: int, end: int, final: bool, k: int | None) -> dict:
@@ -475,7 +529,10 @@ class Simulator:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500)
         self.running[gen.engine_id].add(gen)
+        gen.cached_tokens = self.cache.cached_tokens(prompt)
         try:
+            if self.prefill_us_per_token:  # prefill: the tokens not found in the cache
+                await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
             return await (self._stream if body.get("stream") else self._full)(gen, body)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a lost client
             self.disconnected.append(gen.engine_id)
@@ -484,6 +541,8 @@ class Simulator:
             self.running[gen.engine_id].discard(gen)
             if not self.running[gen.engine_id]:
                 del self.running[gen.engine_id]
+            for c in gen.choices:  # the KV of what was computed stays cached
+                self.cache.store(prompt + c.tokens[:c.sent])
 
     async def _hold(self, gen: _Generation) -> None:
         """Wait, sending nothing, until released, aborted or left by the client."""
@@ -526,7 +585,7 @@ class Simulator:
             return web.Response(status=499)  # never sent
         return self._faulty(gen.fault, _json_response({
             "request_id": gen.engine_id, "model": self.model_name, "created": created,
-            "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices)),
+            "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices), cached=self._cached(gen)),
             "prompt_logprobs": None, "prompt_token_id_logprobs": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
             "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
@@ -613,7 +672,7 @@ class Simulator:
                 continue
             await send(pydantic_core.to_json(chunk))
         if include_usage:  # dumped with exclude_none
-            usage = self._usage(len(prompt), sum(generated), details=False)
+            usage = self._usage(len(prompt), sum(generated), details=False, cached=self._cached(gen))
             await send(pydantic_core.to_json({"request_id": gen.engine_id, "usage": usage,
                                               "output_mode": "tokens", "choices": []}))
 
@@ -687,9 +746,11 @@ SIMULATOR = web.AppKey("simulator", Simulator)  # app[SIMULATOR] is the Simulato
 def build_app(model_dir: str, mode: str = "echo", script: str | None = None,
               tokens_per_event: int | str = 1, delay: float = 0.0,
               finish_only_tail: bool = False, error_after: int | None = None,
-              http_error: int | None = None) -> web.Application:
+              http_error: int | None = None, prefix_cache_blocks: int = 0,
+              prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False) -> web.Application:
     return Simulator(model_dir, mode, script, tokens_per_event, delay, finish_only_tail,
-                     error_after, http_error).app()
+                     error_after, http_error, prefix_cache_blocks, prefill_us_per_token,
+                     prompt_tokens_details).app()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -705,12 +766,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send finish_reason in a separate event with no tokens")
     parser.add_argument("--error-after", type=int, help="mid-stream error after N events")
     parser.add_argument("--http-error", type=int, help="answer every generate with this status")
+    parser.add_argument("--prefix-cache-blocks", type=int, default=0,
+                        help="model vLLM's prefix cache: an LRU of this many 16-token blocks (0: none)")
+    parser.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                        help="before the first token, wait this long per prompt token not found in the cache")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag")
 
 
 def main(args: argparse.Namespace) -> int:
     tpe = str(args.tokens_per_event)
     app = build_app(args.model, args.mode, args.script, int(tpe) if tpe.isdigit() else tpe,
-                    args.delay, args.finish_only_tail, args.error_after, args.http_error)
+                    args.delay, args.finish_only_tail, args.error_after, args.http_error,
+                    args.prefix_cache_blocks, args.prefill_us_per_token, args.enable_prompt_tokens_details)
     try:
         import uvloop
         loop = uvloop.new_event_loop()

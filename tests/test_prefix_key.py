@@ -1,0 +1,52 @@
+"""The routing key is vLLM's own prefix-cache block-hash chain (issue 13's foundation).
+
+Checked against vLLM's request block hasher (``get_request_block_hasher``, what the engine runs
+for every request) on the same ids: so two prompts share a key prefix exactly when vLLM's
+prefix cache could share their blocks.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from derender.routing.prefix import BlockHasher
+
+
+def vllm_chain(ids: list[int], block_size: int, algo: str, cache_salt: str | None = None) -> list[bytes]:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    # The attributes vLLM's hasher reads of a Request: a text-only request, no LoRA, no embeddings.
+    request = SimpleNamespace(block_hashes=[], num_tokens=len(ids), all_token_ids=ids, mm_features=[],
+                              lora_request=None, cache_salt=cache_salt, prompt_embeds=None,
+                              _prompt_embeds_per_block_hashes={})
+    return list(get_request_block_hasher(block_size, hash_fn)(request))
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_the_chain_is_vllms(algo, block_size, salt):
+    rng = random.Random(f"{algo}{block_size}{salt}")
+    for length in (0, 1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 300):
+        ids = [rng.randrange(151_000) for _ in range(length)]
+        ours = BlockHasher(block_size, algo).chain(ids, salt)
+        assert ours == vllm_chain(ids, block_size, algo, salt), length
+        assert len(ours) == length // block_size
+
+
+def test_keys_share_exactly_the_shared_blocks():
+    hasher = BlockHasher(16)
+    rng = random.Random(7)
+    system = [rng.randrange(151_000) for _ in range(100)]  # 6 full blocks and 4 tokens
+    a = system + [rng.randrange(151_000) for _ in range(50)]
+    b = system + [rng.randrange(151_000) for _ in range(50)]
+    ca, cb = hasher.chain(a), hasher.chain(b)
+    assert ca[:6] == cb[:6] and all(x != y for x, y in zip(ca[6:], cb[6:]))
+    assert hasher.key(a, 6) == hasher.key(b, 6) and hasher.key(a, 7) != hasher.key(b, 7)
+    assert hasher.key(a[:15], 4) is None  # no full block
+    assert hasher.key(a, 6, cache_salt="x") != hasher.key(a, 6)  # vLLM's cache_salt isolates tenants
