@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 import urllib.request
@@ -17,6 +18,12 @@ from derender.ops.children import Child, free_port, http_ok, tcp_open  # noqa: F
 BENCH = Path(__file__).resolve().parent
 LOGS = Path(tempfile.gettempdir()) / "derender-bench-logs"
 PYTHON = sys.executable
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``timeout``) leaves through the ``finally`` blocks that stop the
+    benchmark's processes, as Ctrl-C does, instead of leaving them running."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class Proc(Child):

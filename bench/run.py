@@ -501,6 +501,7 @@ def environment(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    procs.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams and fewer repeats (a smoke run)")
     parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the one `derender fetch` got)")

@@ -66,6 +66,7 @@ def quantile(before: dict, after: dict, q: float) -> float:
 
 
 def main() -> int:
+    procs.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="16,64,128,256,512", help="concurrent streams, comma-separated")
     parser.add_argument("--seconds", type=float, default=20.0, help="about how long each level runs")
