@@ -205,6 +205,29 @@ def test_image_input_to_a_text_model_is_vllms_400(sim, qwen3_dir):
     assert r.json() == coupled.model_dump()
 
 
+def test_a_400_keeps_the_keep_alive_connection(sim):
+    """Bad input costs the client no reconnect: the 400, then the next request on the same
+    connection is served (Envoy closed it after every 400 before)."""
+    host, port = sim.envoy_url.removeprefix("http://").split(":")
+    bad = b"{not json"
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        reader = conn.makefile("rb")
+        statuses = []
+        for request in (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(bad), bad),
+                        b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"):
+            conn.sendall(request)
+            status = reader.readline().split()[1]
+            headers = {}
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                key, _, value = line.decode().partition(":")
+                headers[key.strip().lower()] = value.strip()
+            assert headers.get("connection") != "close", headers
+            reader.read(int(headers["content-length"]))
+            statuses.append(int(status))
+    assert statuses == [400, 200]
+
+
 def test_models_and_health(sim, client):
     assert [m.id for m in client.models.list().data] == ["qwen3"]
     assert http_get(sim.envoy_url + "/health")[0] == 200

@@ -139,6 +139,7 @@ def test_every_layout_talks_to_the_filter_as_the_readme_says(path):
     for key, value in EXT_PROC.items():
         assert ours[key] == value, key
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert manager["stream_error_on_invalid_http_message"] is True  # a 400 keeps the client's connection
     routes = [r for host in manager["route_config"]["virtual_hosts"] for r in host["routes"] if "route" in r]
     assert routes
     for route in routes:
