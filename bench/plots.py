@@ -25,6 +25,15 @@ BENCH = Path(__file__).resolve().parent
 OUT = BENCH / "plots"
 
 
+def concurrency_axes(axes, levels: list[int]) -> None:
+    """Concurrent streams on a log-2 x axis, ticked at the levels measured, with a grid."""
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent streams")
+        ax.grid(True, alpha=0.3)
+
+
 def cpu_per_token(results: dict, out: Path) -> None:
     ours = {int(n): run["cpu_us_per_token"]["server"] / 1e3 for n, run in results["lengths"].items()}
     theirs = {int(n): run["cpu_us_per_token"] / 1e3 for n, run in results["vllm_derender"].items()}
@@ -53,17 +62,12 @@ def throughput(results: dict, out: Path) -> None:
         right.plot(levels, [runs[str(c)][key]["read_gap"]["p50"] * 1e3 for c in levels], "o-", label=f"{label} p50")
         right.plot(levels, [runs[str(c)][key]["read_gap"]["p99"] * 1e3 for c in levels], "o--", alpha=0.6,
                    color=right.lines[-1].get_color(), label=f"{label} p99")
-    left.set_xlabel("concurrent streams")
     left.set_ylabel("tokens per second")
     left.set_title("Throughput")
-    right.set_xlabel("concurrent streams")
     right.set_ylabel("gap between a stream's reads (ms)")
     right.set_yscale("log")
     right.set_title("Latency per token under load")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.grid(True, alpha=0.3)
+    concurrency_axes((left, right), levels)
     left.legend(fontsize=8)
     right.legend(fontsize=7)
     fig.tight_layout()
@@ -87,11 +91,7 @@ def saturation(rows: list[dict], out: Path) -> None:
     lag.set_yscale("log")
     lag.set_ylabel("loop lag (ms, log scale)")
     right.set_title("Saturation signal")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("concurrent streams")
-        ax.grid(True, alpha=0.3)
+    concurrency_axes((left, right), levels)
     left.legend()
     handles = right.get_legend_handles_labels()
     more = lag.get_legend_handles_labels()

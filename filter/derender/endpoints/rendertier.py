@@ -426,7 +426,7 @@ class TierExchange:
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
         elif stream is None and not self._answered and not complete:  # sent, never answered
-            self._abort("client gone")
+            self._abort("no answer")
         model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
         record(
             log,

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import time
 
 from . import metrics
-
-log = logging.getLogger("derender.metrics")
 
 TICK = 0.1  # seconds between ticks
 WINDOW = 10.0  # seconds the busy ratio covers

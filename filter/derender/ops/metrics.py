@@ -135,6 +135,7 @@ def loop_busy() -> Gauge:
         )
     return _loop_busy
 
+
 LOOP_LAG = Histogram(
     "derender_event_loop_lag_seconds",
     "How late a tick scheduled every 0.1 s on a worker's event loop runs (all workers)",

@@ -42,6 +42,21 @@ def log_abort(request_id: str, why: str, attempts: list[tuple[str, str]]) -> boo
     return ok
 
 
+async def abort_replica_first(
+    first: "Producer", fallbacks: list["Producer"], request_id: str, why: str, upstream: str | None
+) -> bool:
+    """Abort at the replica Envoy reached (``upstream``, by ``first``'s scheme) if known; if that
+    is not taken, at every producer of ``fallbacks`` at once. One log line for it all."""
+    attempts: list[tuple[str, str]] = []
+    url = replica_url(first.url, upstream)
+    if url is not None:
+        attempts.append((url, await first.post_abort(url, request_id)))
+    if not attempts or attempts[-1][1] != "ok":
+        outcomes = await asyncio.gather(*(p.post_abort(p.url, request_id) for p in fallbacks))
+        attempts += [(p.url, o) for p, o in zip(fallbacks, outcomes)]
+    return log_abort(request_id, why, attempts)
+
+
 class Producer:
     """One producer base URL (``http://host:port``)."""
 
@@ -67,13 +82,7 @@ class Producer:
 
     async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
         """At the replica Envoy reached (``upstream``) if known and reachable, else at ``url``."""
-        attempts = []
-        url = replica_url(self.url, upstream)
-        if url is not None:
-            attempts.append((url, await self.post_abort(url, request_id)))
-        if not attempts or attempts[-1][1] != "ok":
-            attempts.append((self.url, await self.post_abort(self.url, request_id)))
-        return log_abort(request_id, why, attempts)
+        return await abort_replica_first(self, [self], request_id, why, upstream)
 
     async def post_abort(self, url: str, request_id: str) -> str:
         """One abort call; its outcome: ``ok``, ``refused`` (an error status) or ``failed (why)``."""

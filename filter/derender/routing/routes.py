@@ -13,7 +13,6 @@ once (a ``Reply``), without a producer round trip.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 from urllib.parse import unquote
 
@@ -21,7 +20,7 @@ import orjson
 
 from ..translate.errors import HTTPError, anthropic_error_body, dumps
 from ..translate.model import Model
-from .producer import Producer, log_abort, replica_url
+from .producer import Producer, abort_replica_first
 from ..extproc.actions import Reply, Rewrite
 
 CLUSTER_HEADER = "x-derender-cluster"
@@ -53,17 +52,7 @@ class ClusterProducers:
         self.producers[0].spawn(self.abort(request_id, why, upstream))
 
     async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
-        first = self.producers[0]
-        url = replica_url(first.url, upstream)
-        if url is not None:
-            outcome = await first.post_abort(url, request_id)
-            if outcome == "ok":
-                return log_abort(request_id, why, [(url, outcome)])
-            tried = [(url, outcome)]
-        else:
-            tried = []
-        outcomes = await asyncio.gather(*(p.post_abort(p.url, request_id) for p in self.producers))
-        return log_abort(request_id, why, tried + [(p.url, o) for p, o in zip(self.producers, outcomes)])
+        return await abort_replica_first(self.producers[0], self.producers, request_id, why, upstream)
 
 
 def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
