@@ -40,6 +40,10 @@ def cpu_per_token(results: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sorted(ours), [ours[n] for n in sorted(ours)], "o-", label="derender filter (qwen3 + hermes)")
     ax.plot(sorted(theirs), [theirs[n] for n in sorted(theirs)], "s-", label="vLLM streaming /derender")
+    coupled = {int(n): run["coupled"]["cpu_us_per_token"]["server"] / 1e3
+               for n, run in results["lengths"].items() if run.get("coupled")}
+    if coupled:
+        ax.plot(sorted(coupled), [coupled[n] for n in sorted(coupled)], "^-", label="vLLM coupled API server")
     ax.set_yscale("log")
     ax.set_xlabel("tokens per stream")
     ax.set_ylabel("CPU per token (ms, log scale)")
@@ -55,9 +59,11 @@ def throughput(results: dict, out: Path) -> None:
     runs = results["throughput"]
     levels = sorted(int(c) for c in runs)
     names = {"envoy": "Envoy alone", "echo": "echo ext_proc (floor)", "plain": "filter, plain qwen3",
-             "hermes": "filter, qwen3 + hermes"}
+             "hermes": "filter, qwen3 + hermes", "vllm-coupled": "vLLM coupled API server"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for key, label in names.items():
+        if any(key not in runs[str(c)] for c in levels):
+            continue
         left.plot(levels, [runs[str(c)][key]["tokens_per_s"] for c in levels], "o-", label=label)
         right.plot(levels, [runs[str(c)][key]["read_gap"]["p50"] * 1e3 for c in levels], "o-", label=f"{label} p50")
         right.plot(levels, [runs[str(c)][key]["read_gap"]["p99"] * 1e3 for c in levels], "o--", alpha=0.6,

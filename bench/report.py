@@ -11,6 +11,7 @@ NAMES = {
     "plain": "Envoy + derender, Qwen3",
     "hermes": "Envoy + derender, qwen3 + hermes",
     "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
+    "vllm-coupled": "vLLM coupled API server, qwen3 + hermes (asked directly)",
 }
 
 
@@ -119,7 +120,12 @@ def markdown(r: dict) -> str:
         ("Server CPU per token over the whole stream. Ours: the filter's processes (gRPC included), "
         f"{plan['length_streams']} streams at once through Envoy; translation only: the same code fed in process "
         "without gRPC (`bench/profile_hot_path.py`). vLLM: `vllm launch render`, one `POST "
-        "/v1/chat/completions/derender` per event with `stream_state` echoed back (the RFC's client loop)."),
+        "/v1/chat/completions/derender` per event with `stream_state` echoed back (the RFC's client loop). "
+        "vLLM coupled: the API server `vllm serve` builds (`bench/coupled_vllm.py`: its FastAPI app, "
+        "`OpenAIServingChat`, output processor and parsers; the engine replaced by the same token streams, one "
+        "token per engine step), the same streams asked of it directly, CPU of that process only (it also does "
+        "the HTTP work Envoy does for ours, and not the engine-core IPC a real one does). Same output: the "
+        "folded content, reasoning and tool calls of the first stream of each."),
         "",
     ]
     rows = []
@@ -132,17 +138,23 @@ def markdown(r: dict) -> str:
         if ours.get("fold") and theirs.get("fold"):
             same = "yes" if ours["fold"] == theirs["fold"] else "**no**"
         translation = hot.get("us_per_token", {}).get(str(n)) or hot.get("us_per_token", {}).get(n)
+        coupled = ours.get("coupled", {}).get("cpu_us_per_token", {}).get("server")
+        if ours.get("fold") and ours.get("coupled", {}).get("fold"):
+            same += "" if ours["fold"] == ours["coupled"]["fold"] else " (**coupled differs**)"
         rows.append([
             str(n),
             num(ours_cpu),
             num(translation),
+            num(coupled),
+            f"{coupled / ours_cpu:.2f}x" if coupled and ours_cpu else "-",
             num(theirs_cpu / 1e3 if theirs_cpu else None, 1),
             f"{theirs_cpu / ours_cpu:,.0f}x" if ours_cpu and theirs_cpu else "-",
             ms(theirs.get("call_p50_last10")),
             same,
         ])
     out += table(
-        ["tokens", "ours us/token", "ours, translation only us/token", "vLLM derender ms/token", "vLLM / ours",
+        ["tokens", "ours us/token", "ours, translation only us/token", "vLLM coupled us/token", "coupled / ours",
+         "vLLM derender ms/token", "vLLM / ours",
          "vLLM p50 call, last 10 % (ms)", "same output"],
         rows,
     )
@@ -240,6 +252,11 @@ def targets(r: dict) -> list[str]:
         ratio = vllm[long]["cpu_us_per_token"] / lengths[long]["cpu_us_per_token"]["server"]
         lines.append(f"- vLLM's streaming derender / ours, CPU per token at {long} tokens: **{ratio:,.0f}x** "
                      f"(target >= 50x): {check(ratio >= 50)}")
+    coupled = {n: run["coupled"]["cpu_us_per_token"]["server"] / run["cpu_us_per_token"]["server"]
+               for n, run in lengths.items() if run.get("coupled")}
+    if coupled:
+        lines.append("- vLLM's coupled API server / ours, CPU per token (no target yet): "
+                     + ", ".join(f"{n} tokens **{x:.2f}x**" for n, x in sorted(coupled.items())))
     load = r.get("throughput", {})
     if load:
         top = max(load, key=int)

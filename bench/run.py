@@ -13,7 +13,9 @@ token per event) through the real Envoy 1.40 with ``envoy/local.yaml``:
   ``--reasoning-parser qwen3 --tool-call-parser hermes``;
 - ``*-fds``: the same with response bodies in FULL_DUPLEX_STREAMED mode (bench variants);
 - ``vllm``: vLLM's stateless streaming derender (``vllm launch render``), driven as the
-  RFC's client does: each producer event -> ``POST /v1/chat/completions/derender``.
+  RFC's client does: each producer event -> ``POST /v1/chat/completions/derender``;
+- ``vllm-coupled``: vLLM's coupled API server (``bench/coupled_vllm.py``: the app ``vllm
+  serve`` builds, its engine replaced by the same token streams), asked directly.
 
 CPU is read from /proc (psutil) for each server's process tree before and after each
 measurement; latency per token pairs each client read with the simulator write that
@@ -98,6 +100,11 @@ class Config:
     chat: bool  # True: a client endpoint of the filter; False: the producer request itself
     tools: bool = False
     endpoint: str = "chat"  # which client endpoint: chat, messages (Anthropic) or responses (OpenAI)
+    url: str = ""  # a server asked directly, not through ``envoy`` (vLLM's coupled server)
+
+    @property
+    def base(self) -> str:
+        return self.url or self.envoy.url
 
 
 @dataclass
@@ -119,7 +126,7 @@ class Bench:
         model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
         workers = ["--workers", str(self.args.workers)]
         ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "plain", "hermes", "hermes-fds",
-                                                   "vllm", "vllm-render")}
+                                                   "vllm", "vllm-render", "coupled")}
         self.sim_url = sim_url = f"http://127.0.0.1:{ports['sim']}"
         self.vllm_sim_url = f"http://127.0.0.1:{ports['sim-vllm']}"
         self.vllm_url = f"http://127.0.0.1:{ports['vllm']}"
@@ -142,6 +149,8 @@ class Bench:
             "sim-vllm": p.Proc("sim-vllm", sim(ports["sim-vllm"], self.vllm_script)),
             "vllm": p.Proc("vllm-derender", vllm(ports["vllm"]), env=vllm_env),
             "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=vllm_env),
+            "coupled": p.Proc("vllm-coupled", [p.PYTHON, str(BENCH / "coupled_vllm.py"), *model, *HERMES_FLAGS,
+                                               "--port", str(ports["coupled"]), "--script", str(self.script)], env=vllm_env),
             "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *workers]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
                                             "--full-duplex", *workers]),
@@ -154,11 +163,12 @@ class Bench:
         for proc in started.values():
             self.procs.append(proc.start())
         self.start_hot_path()
-        log(f"starting 2 simulators, 2 echo servers, 3 filters and 2 vLLM render servers (logs in {p.LOGS})")
+        log(f"starting 2 simulators, 2 echo servers, 3 filters, 2 vLLM render servers and vLLM's coupled server "
+            f"(logs in {p.LOGS})")
         self.sim, self.vllm = started["sim"], started["vllm"]
         for name in ("sim", "sim-vllm"):
             started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 120)
-        for name in ("vllm", "vllm-render"):
+        for name in ("vllm", "vllm-render", "coupled"):
             started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 600)
         self.vllm_thread = threading.Thread(target=self.vllm_derender, name="vllm-derender", daemon=True)
         for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds"):
@@ -177,6 +187,8 @@ class Bench:
             envoy.proc.wait(lambda e=envoy: p.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
             server = started.get(name)
             self.configs[name] = Config(name, envoy, server, chat=name not in ("envoy", "echo", "echo-fds"), tools="hermes" in name)
+        self.coupled_url = f"http://127.0.0.1:{ports['coupled']}"
+        self.coupled = Config("vllm-coupled", None, started["coupled"], chat=True, tools=True, url=self.coupled_url)
         log("all up")
 
     def stop(self) -> None:
@@ -192,15 +204,20 @@ class Bench:
 
     def sim_config(self, **knobs) -> None:
         post(self.sim_url + "/sim/config", knobs)
+        if "delay" in knobs:  # vLLM's coupled server paces its scripted engine the same way
+            post(self.coupled_url + "/bench/delay", {"delay": knobs["delay"]})
+
+    def with_coupled(self) -> dict[str, Config]:
+        return {**self.configs, self.coupled.name: self.coupled}
 
     def request(self, config: Config) -> tuple[str, bytes]:
         """URL and body for one stream of ``config``."""
         chat = streams.chat_request(SERVED, config.tools)
         if config.chat and config.endpoint != "chat":
             body = streams.agent_request(chat, config.endpoint)
-            return config.envoy.url + f"/v1/{config.endpoint}", json.dumps(body).encode()
+            return config.base + f"/v1/{config.endpoint}", json.dumps(body).encode()
         if config.chat:
-            return config.envoy.url + "/v1/chat/completions", json.dumps(chat).encode()
+            return config.base + "/v1/chat/completions", json.dumps(chat).encode()
         return config.envoy.url + "/inference/v1/generate", json.dumps(self.generate_request(chat)).encode()
 
     def generate_request(self, chat: dict) -> dict:
@@ -214,15 +231,15 @@ class Bench:
     def run_streams(self, config: Config, count: int, concurrency: int, tokens: int) -> dict:
         """``count`` streams of ``tokens`` tokens; CPU of every process, Envoy's message counts."""
         url, body = self.request(config)
-        watched = {"server": config.server, "envoy": config.envoy.proc, "sim": self.sim}
+        watched = {"server": config.server, "envoy": config.envoy and config.envoy.proc, "sim": self.sim}
         cpu0 = {k: v.cpu() for k, v in watched.items() if v is not None}
         workers = config.server.workers() if config.server else []
         per_worker0 = [procs.cpu_of(w) for w in workers]
-        stats0 = config.envoy.stats() if config.server else {}
+        stats0 = config.envoy.stats() if config.server and config.envoy else {}
         results, wall = asyncio.run(load.streams(url, body, count, concurrency))
         cpu = {k: watched[k].cpu() - v for k, v in cpu0.items()}
         per_worker = [procs.cpu_of(w) - c for w, c in zip(workers, per_worker0)]
-        stats1 = config.envoy.stats() if config.server else {}
+        stats1 = config.envoy.stats() if config.server and config.envoy else {}
         bad = [r for r in results if r.status != 200 or not r.done]
         total = count * tokens
         out = {
@@ -235,7 +252,7 @@ class Bench:
             "results": results,
             "worker_share": [c / sum(per_worker) for c in per_worker] if sum(per_worker) > 0 else [],
         }
-        if config.server:
+        if config.server and config.envoy:
             sent = stats1.get("stream_msgs_sent", 0) - stats0.get("stream_msgs_sent", 0)
             received = stats1.get("stream_msgs_received", 0) - stats0.get("stream_msgs_received", 0)
             out["msgs_to_server_per_token"] = sent / total
@@ -248,7 +265,7 @@ class Bench:
         """Short streams on every configuration, started over half a second: every worker has served
         a request (lazy imports, first parser) and Envoy holds ``concurrency`` producer connections."""
         self.write_script(streams.reasoning_tool_call(self.model_dir, 64)[:40] + streams.reasoning_tool_call(self.model_dir, 64)[-1:])
-        for config in self.configs.values():
+        for config in self.with_coupled().values():
             url, body = self.request(config)
             asyncio.run(load.streams(url, body, concurrency, concurrency, ramp=0.5))
 
@@ -286,9 +303,10 @@ class Bench:
         for concurrency in plan.concurrency:
             self.warm_up(concurrency)
             self.write_script(streams.reasoning_tool_call(self.model_dir, plan.load_tokens))
-            rounds: dict[str, list[dict]] = {name: [] for name in self.configs}
+            configs = self.with_coupled()
+            rounds: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(plan.load_rounds):  # interleaved: a slow spell of the machine hits every configuration
-                for name, config in self.configs.items():
+                for name, config in configs.items():
                     run = self.run_streams(config, concurrency, concurrency, plan.load_tokens)
                     gaps = [b - a for r in run["results"] for a, b in zip(r.reads, r.reads[1:])]
                     run["read_gap"] = percentiles(gaps)
@@ -314,6 +332,10 @@ class Bench:
             run["fold"] = streams.digest(streams.fold(streams.sse_events(body)))
             out[n] = strip(run)
             log(f"  ours {n} tokens: filter CPU {run['cpu_us_per_token']['server']:.0f} us/token")
+            coupled = self.run_streams(self.coupled, plan.length_streams, plan.length_streams, n)
+            coupled["fold"] = streams.digest(streams.fold(streams.sse_events(coupled["results"][0].body)))
+            out[n]["coupled"] = strip(coupled)
+            log(f"  vLLM coupled {n} tokens: server CPU {coupled['cpu_us_per_token']['server']:.0f} us/token")
         return out
 
     def agent_lengths(self) -> dict:
@@ -411,6 +433,7 @@ class Bench:
         for name in ("hermes", "plain", "hermes-fds", "echo"):
             out[name] = procs.memory(self.configs[name].server)
         out["vllm"] = procs.memory(self.vllm)
+        out["vllm-coupled"] = procs.memory(self.coupled.server)
         return out
 
     def start_hot_path(self) -> None:

@@ -44,6 +44,7 @@ class ScriptedEngine:
     """What ``OpenAIServingChat`` needs of ``AsyncLLM``, with a script instead of a GPU."""
 
     errored = False
+    delay = 0.0  # seconds between engine steps (the benchmark paces them like a decoding GPU)
 
     def __init__(self, vllm_config: Any, renderer: Any, steps: list[Step]) -> None:
         from vllm.v1.engine.input_processor import InputProcessor
@@ -108,7 +109,7 @@ class ScriptedEngine:
                 yield got
                 if got.finished:
                     return
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.delay)
 
 
 class CoupledChat:
