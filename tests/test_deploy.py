@@ -26,6 +26,7 @@ import pytest
 import yaml
 from derender.ops import envoy_config
 from derender.cli import build_parser
+from derender.routing.balance import KEY_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -242,6 +243,14 @@ def test_compose_filter_command_is_one_derender_accepts(docker_env):
     assert (args.command, args.host, args.port, args.metrics_port) == ("serve", "0.0.0.0", 9002, 9003)
     assert (args.max_model_len, args.reasoning_parser) == (4096, "qwen3")
     assert args.producer == "http://producer:8000"
+    # Prefix-cache-aware routing: the filter sets the key, Envoy's producer cluster hashes on it.
+    assert args.routing == "prefix"
+    envoy_routes = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
+    [route] = envoy_routes["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["hash_policy"] == [{"header": {"header_name": KEY_HEADER}}]
+    producer = _cluster(envoy_routes, "producer")
+    assert producer["lb_policy"] == "RING_HASH" and producer["health_checks"]
     # The health check asks the gRPC health service on the ext_proc port.
     assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.health", f"127.0.0.1:{args.port}"]
     envoy = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
@@ -419,3 +428,15 @@ def test_route_and_filter_point_at_the_same_producers_and_model(k8s):
     modifiers = [f["responseHeaderModifier"] for f in rule.get("filters", []) if f.get("type") == "ResponseHeaderModifier"]
     assert {"name": "x-derender-upstream", "value": "%UPSTREAM_REMOTE_ADDRESS%"} in [h for m in modifiers for h in m.get("set", [])]
 
+
+
+def test_k8s_routes_the_vllm_pods_by_the_filters_prefix_key(k8s):
+    """filter.yaml runs --routing=prefix; the BackendTrafficPolicy hashes the route's pods on the
+    header the filter sets."""
+    policy = k8s[("BackendTrafficPolicy", "producers-by-prefix")]["spec"]
+    [target] = policy["targetRefs"]
+    assert (target["kind"], target["name"]) in k8s and target["kind"] == "HTTPRoute"
+    assert policy["loadBalancer"]["type"] == "ConsistentHash"
+    assert policy["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": KEY_HEADER}}
+    [filter_] = [obj for (kind, _), obj in k8s.items() if kind == "Deployment" and "--port=9002" in _container_args(obj)]
+    assert "--routing=prefix" in _container_args(filter_)

@@ -265,8 +265,13 @@ def _write(tmp_path: Path, models) -> Path:
           {"name": ["b", "a"], "render_url": "http://r", "producer": {"cluster": "d", "url": "http://q"}}], "model name 'a'"),
         ([{"name": "a", "render_url": "http://r", "producer": {"cluster": "c", "url": "http://p"}},
           {"name": "b", "render_url": "http://r", "producer": {"cluster": "c", "url": "http://q"}}], "different URLs"),
+        ([{"name": "a", "render_url": "http://r", "producer": {"cluster": "c", "url": "http://p"}, "routing": "sticky"}],
+         "routing must be one of"),
+        ([{"name": "a", "render_url": "http://r", "producer": {"cluster": "c", "url": "http://p"}, "routing": "prefix"},
+          {"name": "b", "render_url": "http://r", "producer": {"cluster": "c", "url": "http://p"}}], "different routing"),
     ],
-    ids=["empty", "unknown-key", "no-producer", "reserved-cluster", "no-model", "missing-folder", "duplicate-name", "cluster-urls"],
+    ids=["empty", "unknown-key", "no-producer", "reserved-cluster", "no-model", "missing-folder", "duplicate-name", "cluster-urls",
+         "bad-routing", "cluster-routing"],
 )
 def test_config_errors_say_where(tmp_path, models, words):
     with pytest.raises(config.ConfigError) as info:
@@ -285,6 +290,27 @@ def test_config_entries(tmp_path, qwen3_dir):
     assert json.loads(q.spec.default_chat_template_kwargs) == {"enable_thinking": False}
     assert q.producer_urls == ("http://a:1", "http://b:2") and q.producer_url == "http://a:1"
     assert t.spec is None and t.render_url == "http://render:8000" and t.names == ("t", "t2")
+
+
+def test_config_routing_writes_each_cluster_to_match(tmp_path):
+    """An entry's ``routing`` (else --routing) decides how its Envoy cluster balances."""
+    path = _write(tmp_path, [
+        {"name": "a", "render_url": "http://r", "producer": {"cluster": "a", "url": ["http://a:1", "http://a:2"]},
+         "routing": "precise"},
+        {"name": "b", "render_url": "http://r", "producer": {"cluster": "b", "url": ["http://b:1", "http://b:2"]}},
+    ])
+    entries = config.load(path)
+    assert [e.routing for e in entries] == ["precise", None]
+    clusters = {c["name"]: c for c in (json.loads(line[4:]) for line in config.envoy_clusters(entries, "prefix").splitlines())}
+    policy = clusters["a"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [{"header": "x-gateway-destination-endpoint"}]
+    assert clusters["b"]["lb_policy"] == "RING_HASH"
+    assert clusters["b"]["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
+    for cluster in clusters.values():  # several replicas: health-checked, so a dead one leaves the ring
+        assert cluster["health_checks"][0]["http_health_check"]["path"] == "/health"
+    least = json.loads(config.envoy_clusters(entries[1:]).splitlines()[0][4:])
+    assert least["lb_policy"] == "LEAST_REQUEST"
 
 
 def test_serve_refuses_model_flags_with_a_config(tmp_path):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -133,3 +135,34 @@ def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):  # (qwen
                 child.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_dir):
+    """`derender up --replicas 2 --routing prefix`: two simulators in one Envoy cluster, balanced
+    by consistent hashing on the filter's prefix key; a conversation's turns reach one replica."""
+    port = free_port()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"up-replicas-{os.getpid()}.log", "w+")
+    up = subprocess.Popen(
+        [str(BIN / "derender"), "up", "--port", str(port), "--replicas", "2", "--routing", "prefix", "--workers", "1",
+         "--sim-arg=--prefix-cache-blocks=1000"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    try:
+        ready = up.stdout.readline()
+        assert "2 producer replicas, prefix routing" in ready, (ready, log.seek(0) or log.read()[-3000:])
+        sims = [c for c in _children(up.pid) if " sim " in " ".join(c.cmdline())]
+        ports = sorted(int(c.cmdline()[c.cmdline().index("--port") + 1]) for c in sims)
+        assert len(ports) == 2, [c.cmdline() for c in sims]
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hello there, replica."}]
+        for _ in range(3):
+            answer = client.chat.completions.create(model="qwen3", messages=messages).choices[0].message.content
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+        received = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats").read())["received"] for p in ports]
+        assert sorted(received) == [0, 3], received
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()

@@ -26,6 +26,24 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
     parser.add_argument("--default-chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
 
 
+ROUTING_HELP = (
+    "how requests pick a producer replica: least-request (Envoy's own), prefix (consistent hash on the prompt's "
+    "prefix key: a conversation's turns stick to a replica), precise (the replica known to hold the longest "
+    "cached prefix, else as prefix). Envoy's producer cluster must balance to match (derender up writes it)"
+)
+
+
+def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--routing", choices=("least-request", "prefix", "precise"), default="least-request",
+                        help=ROUTING_HELP)
+    parser.add_argument("--prefix-block-size", type=int, default=16,
+                        help="tokens per prefix-cache block, as the producers run (vLLM's --block-size; default 16)")
+    parser.add_argument("--prefix-caching-hash-algo", default="sha256",
+                        choices=("sha256", "sha256_cbor"),
+                        help="the producers' --prefix-caching-hash-algo, for the prefix key (default sha256; "
+                        "vLLM's xxhash ones seed every process at random: no key would be the same twice)")
+
+
 def model_spec(args: argparse.Namespace):
     from .translate.model import ModelSpec
 
@@ -56,7 +74,8 @@ def served(args: argparse.Namespace):
         except config.ConfigError as exc:
             raise SystemExit(f"derender: {exc}") from None
         return [
-            Backend(e.names, producers(e.producer_urls), e.cluster, Model(e.spec) if e.spec else None, e.render_url)
+            Backend(e.names, producers(e.producer_urls), e.cluster, Model(e.spec) if e.spec else None, e.render_url,
+                    e.routing)
             for e in entries
         ]
     if args.render_url:
@@ -117,7 +136,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"derender: stored responses kept in {args.responses_store}", file=sys.stderr)
 
     model = served(args)
-    serve = workers.filter_server(model, args.producer, args.host, args.port)
+    from .routing.balance import RoutingSpec
+
+    routing = RoutingSpec(args.routing, args.prefix_block_size, args.prefix_caching_hash_algo)
+    serve = workers.filter_server(model, args.producer, args.host, args.port, routing)
     code = workers.run(serve, args.port, args.workers)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
@@ -180,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9002, help="gRPC port Envoy connects to")
     serve.add_argument("--producer", default="http://127.0.0.1:8100",
-                       help="producer base URL (for aborts when Envoy does not name the replica it reached)")
+                       help="producer base URL, or several comma-separated (one Envoy cluster's replicas): where "
+                       "aborts go when Envoy has not yet named the replica it reached")
     serve.add_argument("--config", default=None, metavar="FILE", help="YAML file listing several models (replaces the model flags)")
+    add_routing_arguments(serve)
     serve.add_argument(
         "--render-url",
         default=None,
@@ -272,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--responses-store", default=None, metavar="URL", help="the filter's --responses-store (Redis URL)")
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
+    up.add_argument("--replicas", type=int, default=1,
+                    help="simulated producer replicas in one Envoy cluster (without --producer; default 1)")
+    add_routing_arguments(up)
     up.set_defaults(func=cmd_up)
 
     fetch = sub.add_parser("fetch", help="fetch the pinned tokenizers into the cache")

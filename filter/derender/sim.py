@@ -266,6 +266,9 @@ class Simulator:
         self.requests: collections.deque = collections.deque(maxlen=50)
         self.headers: collections.deque = collections.deque(maxlen=50)  # of generate requests
         self.received = 0  # generate requests, ever
+        self.prompt_tokens = 0  # of those requests, ever
+        self.prefill_waits: collections.deque[float] = collections.deque(maxlen=100_000)  # seconds, see below
+        self.cached_prompt_tokens = 0  # of those, found in the prefix cache
         self.aborted: list[str] = []
         self.disconnected: list[str] = []
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
@@ -273,6 +276,7 @@ class Simulator:
         self.hold_after: int | None = None
         self.cache = PrefixCache(prefix_cache_blocks)
         self.prefill_us_per_token = prefill_us_per_token
+        self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details
 
     def configure(self, mode: str | None = None, script: str | None = None,
@@ -530,9 +534,15 @@ class Simulator:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500)
         self.running[gen.engine_id].add(gen)
         gen.cached_tokens = self.cache.cached_tokens(prompt)
+        self.prompt_tokens += len(prompt)
+        self.cached_prompt_tokens += gen.cached_tokens
         try:
-            if self.prefill_us_per_token:  # prefill: the tokens not found in the cache
-                await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
+            if self.prefill_us_per_token:  # prefill: the tokens not found in the cache, one prompt
+                arrived = time.monotonic()  # at a time (one GPU's prefill throughput: a queue forms)
+                async with self._prefill:
+                    await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
+                # The modelled time to first token: the queue and the prefill, nothing of this machine's.
+                self.prefill_waits.append(time.monotonic() - arrived)
             return await (self._stream if body.get("stream") else self._full)(gen, body)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a lost client
             self.disconnected.append(gen.engine_id)
@@ -713,14 +723,18 @@ class Simulator:
     async def stats(self, request: web.Request) -> web.Response:
         """GET /sim/stats: generate requests received ever, tokens sent per running request, and
         the running requests whose writes wait (the kernel's socket buffer is full: the reader
-        is not reading), and the requests held by ``hold_after``."""
+        is not reading), the requests held by ``hold_after``, and the prompt tokens received
+        ever and how many of them the prefix cache held, and (``--prefill-us-per-token``) each
+        request's modelled time to first token: its wait for the prefill queue and its prefill."""
         running = {eid: sum(c.sent for g in gens for c in g.choices)
                    for eid, gens in self.running.items()}
         blocked = sorted(eid for eid, gens in self.running.items() for g in gens
                          if g.request.transport is not None and g.request.transport.get_write_buffer_size())
         held = sorted(g.engine_id for g in self.held)
         return web.json_response({"received": self.received, "running": running, "blocked": blocked,
-                                  "held": held})
+                                  "held": held, "prompt_tokens": self.prompt_tokens,
+                                  "cached_prompt_tokens": self.cached_prompt_tokens,
+                                  "prefill_waits": list(self.prefill_waits)})
 
     async def introspect(self, request: web.Request) -> web.Response:
         """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
@@ -769,7 +783,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache-blocks", type=int, default=0,
                         help="model vLLM's prefix cache: an LRU of this many 16-token blocks (0: none)")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0,
-                        help="before the first token, wait this long per prompt token not found in the cache")
+                        help="before the first token, wait this long per prompt token not found in the cache "
+                        "(one prompt at a time, as one GPU prefills)")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag")
 

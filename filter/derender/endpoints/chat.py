@@ -16,7 +16,7 @@ from typing import Any
 
 from ..ops import logs, metrics
 from ..translate.collect import Collected
-from ..translate.stream import ChatStream, chat_completion, choice_outputs, final_output
+from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from ..translate.errors import INCOMPLETE, HTTPError, from_exception
 from ..translate.model import Model
 from ..routing.producer import GENERATE_PATH, Producer
@@ -39,6 +39,8 @@ class ChatExchange:
     stream_class = ChatStream
     full_response = staticmethod(chat_completion)  # the final output -> the one JSON answer
     endpoint = "chat"
+    routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
+    producer_cached_tokens: int | None = None  # non-streaming: what the producer's usage says
 
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
         self.model = model
@@ -96,6 +98,8 @@ class ChatExchange:
             path=GENERATE_PATH,
             set_headers={"content-type": "application/json"},
             then=self.prepare if self.rendered.stream else None,
+            prompt_ids=self.rendered.prompt_token_ids,
+            cache_salt=getattr(self.rendered.request, "cache_salt", None),
         )
 
     def prepare(self) -> None:
@@ -277,6 +281,10 @@ class ChatExchange:
             self.client_status = error.status
             return self.answer_error(error), error.status
         self._completion_tokens = _token_count(body)
+        try:
+            self.producer_cached_tokens = cached_tokens(json.loads(body))
+        except ValueError:
+            pass
         if self._sent is not None:
             self._sent.append(out)
         return out, None
@@ -301,6 +309,7 @@ class ChatExchange:
             "body_ms": _ms(self._body_at),
             "render_ms": _ms(self._render_time),
             "producer_headers_ms": _ms(self._headers_at),
+            **(self.routed.fields() if self.routed is not None else {}),
         }
         if self._sent is not None and rendered is not None:
             request = rendered.request

@@ -160,6 +160,8 @@ class TierStream:
 class TierExchange:
     """One chat or completions exchange whose rendering and derendering the render tier does."""
 
+    routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
+
     def __init__(self, tier: RenderTier, endpoint: Endpoint, producer: Producer, x_request_id: str | None) -> None:
         self.tier = tier
         self.endpoint = endpoint
@@ -222,7 +224,8 @@ class TierExchange:
             params.update(stop=[], include_stop_str_in_output=False)
             params.pop("output_text_buffer_length", None)
         self.generate = generate
-        return Rewrite(body=orjson.dumps(generate), path=GENERATE_PATH, set_headers={"content-type": "application/json"})
+        return Rewrite(body=orjson.dumps(generate), path=GENERATE_PATH, set_headers={"content-type": "application/json"},
+                       prompt_ids=self.prompt_token_ids, cache_salt=generate.get("cache_salt"))
 
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
@@ -437,7 +440,7 @@ class TierExchange:
                 "model": model or self.generate.get("model"),
                 "render_tier": self.tier.url,
             },
-            {},
+            self.routed.fields() if self.routed is not None else {},
             started=self._started,
             first_token=self._first_token,
             error=self.error,

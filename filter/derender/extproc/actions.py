@@ -29,6 +29,9 @@ class Rewrite:
     body: bytes
     path: str
     set_headers: dict[str, str] = field(default_factory=dict)
+    # The prompt as token ids (and its cache_salt): what producer routing keys on.
+    prompt_ids: list[int] | None = None
+    cache_salt: str | None = None
     # Work for the time the producer takes to answer, once the request has gone on.
     then: Callable[[], None] | None = None
 

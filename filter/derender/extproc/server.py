@@ -30,8 +30,9 @@ from .actions import ResponseStart, Rewrite
 from ..translate.errors import HTTPError, from_exception
 from ..health import add_health
 from ..translate.model import Model
-from ..routing.producer import UPSTREAM_HEADER, Producer
-from ..routing.routes import Reply, Router
+from ..routing.balance import RoutingSpec
+from ..routing.producer import UPSTREAM_HEADER
+from ..routing.routes import Reply, Router, producers
 from ..ops.warmup import warm_up
 
 log = logging.getLogger("derender.extproc")
@@ -240,10 +241,11 @@ async def serve(
     port: int,
     ready: asyncio.Event | None = None,
     reuse_port: bool = False,
+    routing: RoutingSpec | None = None,
 ) -> None:
     """Serve ext_proc on ``host:port``; ``reuse_port`` lets sibling workers bind the same port."""
-    producer = Producer(producer_url)
-    router = Router(model, producer)
+    producer = producers(producer_url.split(","))
+    router = Router(model, producer, routing)
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)

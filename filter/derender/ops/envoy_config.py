@@ -43,3 +43,48 @@ def split_url(url: str) -> tuple[str, int]:
 def render(template: str = "local.yaml", **values: object) -> str:
     variables = {**DEFAULTS, **{k: str(v) for k, v in values.items()}}
     return Template((envoy_dir() / template).read_text()).substitute(variables)
+
+
+# hash_balance_factor: no producer replica takes more than 1.25x the mean of requests in flight.
+BALANCE_FACTOR = 125
+
+
+def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str = "least-request") -> dict:
+    """An Envoy producer cluster balancing as ``--routing`` asks (``derender.routing.balance``):
+    least request; consistent hashing on the filter's prefix key with bounded load; or the
+    replica the filter names (``x-gateway-destination-endpoint``), else that consistent hash.
+    Health-checked on /health, so a replica that goes down leaves the ring with its keys."""
+    endpoints = []
+    for url in urls:
+        host, port = split_url(url)
+        endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
+    cluster: dict = {
+        "name": name,
+        "type": "STRICT_DNS",
+        "connect_timeout": "2s",
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]},
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+    }
+    if len(urls) > 1:
+        cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+                                     "http_health_check": {"path": "/health"}}]
+    ring = {"consistent_hashing_lb_config": {"hash_balance_factor": BALANCE_FACTOR}}
+    if routing == "least-request":
+        cluster["lb_policy"] = "LEAST_REQUEST"
+    elif routing == "prefix":
+        cluster["lb_policy"] = "RING_HASH"
+        cluster["common_lb_config"] = ring
+    elif routing == "precise":
+        ring_hash = {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash", **ring}
+        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{"header": "x-gateway-destination-endpoint"}],
+                "fallback_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.ring_hash", "typed_config": ring_hash}}]},
+            },
+        }}]}
+    else:
+        raise ValueError(f"unknown routing {routing!r}")
+    return cluster

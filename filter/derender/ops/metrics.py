@@ -199,6 +199,35 @@ def chat_done(
         TIME_TO_FIRST_TOKEN.labels(*labels).observe(time_to_first_token)
 
 
+_ROUTED = ["routing", "route", "replica"]
+ROUTED_REQUESTS = Counter(
+    "derender_routed_requests",
+    "Producer requests by routing mode, decision (prefix: key; precise: match, bound, key) and the replica "
+    "Envoy reached ('' if none answered)",
+    _ROUTED,
+    registry=REGISTRY,
+)
+ROUTED_PROMPT_TOKENS = Counter(
+    "derender_routed_prompt_tokens", "Prompt tokens of those requests", _ROUTED, registry=REGISTRY
+)
+ROUTED_CACHED_TOKENS = Counter(
+    "derender_routed_cached_prompt_tokens",
+    "Of those, the tokens the replica found in its prefix cache, as its usage reports them (producers run "
+    "with --enable-prompt-tokens-details; streams only when the client asked for usage)",
+    _ROUTED,
+    registry=REGISTRY,
+)
+
+
+def routed(mode: str, route: str, replica: str | None, prompt_tokens: int, cached_tokens: int | None) -> None:
+    """One routed producer request, once it is over."""
+    labels = (mode, route, replica or "")
+    ROUTED_REQUESTS.labels(*labels).inc()
+    ROUTED_PROMPT_TOKENS.labels(*labels).inc(prompt_tokens)
+    if cached_tokens:
+        ROUTED_CACHED_TOKENS.labels(*labels).inc(cached_tokens)
+
+
 def producer_error(kind: str) -> None:
     PRODUCER_ERRORS.labels(kind).inc()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import tempfile
@@ -109,12 +110,20 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, stack.on_signal)
     try:
         producer = args.producer or (entries[0].producer_url if entries else None)
-        if producer is None:
-            sim_port = free_port()
-            sim = stack.start("simulator", [*derender, "sim", "--model", args.model, "--port", str(sim_port), *args.sim_arg])
-            sim.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 60)
-            producer = f"http://127.0.0.1:{sim_port}"
+        urls = [producer] if producer else []
+        if producer is None:  # the simulator: one per replica, in one producer cluster
+            sims = []
+            for i in range(max(1, args.replicas)):
+                port = free_port()
+                name = "simulator" if args.replicas <= 1 else f"simulator-{i + 1}"
+                sims.append((port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *args.sim_arg])))
+            for port, sim in sims:
+                sim.wait(lambda port=port: http_ok(f"http://127.0.0.1:{port}/health"), 60)
+            urls = [f"http://127.0.0.1:{port}" for port, _ in sims]
+            producer = urls[0]
         producer_host, producer_port = envoy_config.split_url(producer)
+        routing = ["--routing", args.routing, "--prefix-block-size", str(args.prefix_block_size),
+                   "--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
 
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
@@ -122,12 +131,19 @@ def run(args: argparse.Namespace) -> int:
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
         if getattr(args, "responses_store", None):
             keys += ["--responses-store", args.responses_store]
-        flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port), "--producer", producer, *workers, *metrics, *keys])
+        flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port),
+                                     "--producer", ",".join(urls), *routing, *workers, *metrics, *keys])
         flt.wait(lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
 
+        clusters = ""
+        if entries:
+            clusters = envoy_clusters(entries, args.routing)
+        elif len(urls) > 1 or args.routing != "least-request":  # local.yaml's producer cluster, balanced
+            # "producer": the cluster the filter names when it serves one model (routes.DEFAULT_CLUSTER)
+            clusters = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, args.routing))
         config = envoy_config.render(
-            "multi.yaml" if entries else "local.yaml",
-            PRODUCER_CLUSTERS=envoy_clusters(entries) if entries else "",
+            "multi.yaml" if clusters else "local.yaml",
+            PRODUCER_CLUSTERS=clusters,
             LISTEN_PORT=args.port,
             ADMIN_PORT=free_port(),
             FILTER_PORT=filter_port,
@@ -141,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"],
         )
         envoy.wait(lambda: http_ok(f"http://127.0.0.1:{args.port}/health"), 30)
-        print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 (producer {producer})", flush=True)
+        where = f"producer {producer}" if len(urls) == 1 else f"{len(urls)} producer replicas, {args.routing} routing"
+        print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 ({where})", flush=True)
         while True:
             problem = stack.failed()
             if problem:

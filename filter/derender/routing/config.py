@@ -13,6 +13,7 @@ YAML, one entry per served model::
         producer:
           cluster: qwen3                # Envoy cluster of this model's producers
           url: http://10.0.0.7:8000     # or a list of URLs (one cluster, several endpoints)
+        routing: prefix                 # least-request | prefix | precise (default: --routing)
       - name: [r1, deepseek-r1]
         render_url: http://10.0.0.9:8000   # render-tier mode: no model is loaded for it
         producer: {cluster: r1, url: http://10.0.0.8:8000}
@@ -36,6 +37,7 @@ from ..translate.model import ModelSpec
 
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESERVED_CLUSTERS = {"derender"}  # the ext_proc cluster of the Envoy templates
+ROUTINGS = ("least-request", "prefix", "precise")  # derender.routing.balance.MODES
 _KEYS = {
     "name",
     "model",
@@ -47,6 +49,7 @@ _KEYS = {
     "default_chat_template_kwargs",
     "producer",
     "render_url",
+    "routing",
 }
 
 
@@ -63,6 +66,7 @@ class ModelEntry:
     cluster: str
     producer_urls: tuple[str, ...]
     render_url: str | None = None
+    routing: str | None = None  # None: the --routing flag's
 
     @property
     def producer_url(self) -> str:
@@ -110,7 +114,10 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
         spec = _spec(path, where, item, names)
     elif not isinstance(render_url, str):
         raise ConfigError(f"{where}: render_url must be a URL")
-    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url)
+    routing = item.get("routing")
+    if routing is not None and routing not in ROUTINGS:
+        raise ConfigError(f"{where}: routing must be one of {', '.join(ROUTINGS)}")
+    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url, routing)
 
 
 def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> ModelSpec:
@@ -143,6 +150,7 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
 def _check_unique(path: Path, entries: list[ModelEntry]) -> None:
     seen: dict[str, int] = {}
     clusters: dict[str, tuple[str, ...]] = {}
+    routings: dict[str, str | None] = {}
     for i, entry in enumerate(entries):
         for name in entry.names:
             if name in seen:
@@ -150,27 +158,20 @@ def _check_unique(path: Path, entries: list[ModelEntry]) -> None:
             seen[name] = i
         if clusters.setdefault(entry.cluster, entry.producer_urls) != entry.producer_urls:
             raise ConfigError(f"{path}: cluster {entry.cluster!r} is given different URLs")
+        if routings.setdefault(entry.cluster, entry.routing) != entry.routing:
+            raise ConfigError(f"{path}: cluster {entry.cluster!r} is given different routing")
 
 
-def envoy_clusters(entries: list[ModelEntry]) -> str:
-    """The producer clusters for ``envoy/multi.yaml``: one YAML list item per line."""
-    from ..ops.envoy_config import split_url
+def envoy_clusters(entries: list[ModelEntry], routing: str = "least-request") -> str:
+    """The producer clusters for ``envoy/multi.yaml``: one YAML list item per line, each
+    balancing as its entry's ``routing`` (else ``routing``) asks."""
+    from ..ops.envoy_config import producer_cluster
 
     lines, done = [], set()
     for entry in entries:
         if entry.cluster in done:
             continue
         done.add(entry.cluster)
-        endpoints = []
-        for url in entry.producer_urls:
-            host, port = split_url(url)
-            endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
-        cluster = {
-            "name": entry.cluster,
-            "type": "STRICT_DNS",
-            "connect_timeout": "2s",
-            "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]},
-            "load_assignment": {"cluster_name": entry.cluster, "endpoints": [{"lb_endpoints": endpoints}]},
-        }
+        cluster = producer_cluster(entry.cluster, entry.producer_urls, entry.routing or routing)
         lines.append("  - " + json.dumps(cluster))
     return "\n".join(lines)

@@ -13,13 +13,16 @@ once (a ``Reply``), without a producer round trip.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
+from ..ops import metrics
 from ..translate.errors import HTTPError, anthropic_error_body, dumps
 from ..translate.model import Model
+from .balance import Balancer, Decision, RoutingSpec
 from .producer import Producer, abort_replica_first
 from ..extproc.actions import Reply, Rewrite
 
@@ -51,6 +54,10 @@ class ClusterProducers:
     def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
         self.producers[0].spawn(self.abort(request_id, why, upstream))
 
+    async def close(self) -> None:
+        for producer in self.producers:
+            await producer.close()
+
     async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
         return await abort_replica_first(self.producers[0], self.producers, request_id, why, upstream)
 
@@ -69,6 +76,7 @@ class Backend:
         cluster: str = DEFAULT_CLUSTER,
         model: Model | None = None,
         render_url: str | None = None,
+        routing: str | None = None,
     ) -> None:
         from ..endpoints.rendertier import RenderTier
 
@@ -79,6 +87,8 @@ class Backend:
         self.cluster = cluster
         self.model = model
         self.tier = RenderTier(render_url) if render_url else None
+        self.routing = routing  # None: the server's --routing
+        self.balancer: Balancer | None = None  # set by the Router
         if model is not None:  # built now, not on the first request
             from ..endpoints.completions import serving_completion
 
@@ -174,6 +184,8 @@ class ModelExchange:
         self.path = path
         self.x_request_id = x_request_id
         self.inner: Any = None
+        self.balancer: Balancer | None = None
+        self.decision: Decision | None = None
 
     @property
     def stream(self) -> Any:
@@ -188,9 +200,18 @@ class ModelExchange:
             # Envoy's access log prints this header in place of the rewritten path when present:
             # there, requests read as what the client asked for, not all as /inference/v1/generate.
             result.set_headers["x-envoy-original-path"] = self.path
+            if backend.balancer is not None:
+                began = time.thread_time()
+                headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt)
+                self.decision.cpu_us = (time.thread_time() - began) * 1e6
+                result.set_headers.update(headers)
+                self.balancer = backend.balancer
         return result
 
     def response_headers(self, status: int, upstream: str | None = None) -> Any:
+        if self.balancer is not None and self.decision is not None:
+            self.balancer.started(self.decision, upstream, status)
+            self.inner.routed = self.decision
         return self.inner.response_headers(status, upstream)
 
     def response_chunk(self, chunk: bytes, end: bool) -> Any:
@@ -200,6 +221,12 @@ class ModelExchange:
         return await self.inner.response_body(body)
 
     def close(self, complete: bool) -> None:
+        if self.balancer is not None and self.decision is not None:
+            self.balancer.finished(self.decision)
+            d, inner = self.decision, self.inner
+            cached = getattr(getattr(inner, "stream", None), "producer_cached_tokens", None)
+            metrics.routed(d.mode, d.why or "key", d.served, d.prompt_tokens,
+                           cached if cached is not None else getattr(inner, "producer_cached_tokens", None))
         if self.inner is not None:
             self.inner.close(complete)
 
@@ -209,9 +236,13 @@ class Router:
 
     ``served`` is one ``Model`` (served with ``producer``), or the ``Backend``s
     of several models; the first one is the default when a body names no model.
+    ``routing``: how requests pick a producer replica (``balance``), for every backend
+    that names no mode of its own.
     """
 
-    def __init__(self, served: Model | Backend | list[Backend], producer: Producer | None = None) -> None:
+    def __init__(
+        self, served: Model | Backend | list[Backend], producer: Producer | None = None, routing: RoutingSpec | None = None
+    ) -> None:
         if isinstance(served, Backend):
             served = [served]
         elif not isinstance(served, list):
@@ -220,6 +251,10 @@ class Router:
         if not served:
             raise ValueError("nothing to serve")
         self.backends: list[Backend] = served
+        routing = routing or RoutingSpec()
+        for backend in served:
+            tokenizer = backend.model.tokenizer if backend.model is not None else None
+            backend.balancer = routing.balancer(tokenizer, backend.routing)
         self.by_name = {name: b for b in served for name in b.names}
 
     def backend_for(self, body: bytes) -> Backend:

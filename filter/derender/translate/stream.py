@@ -52,6 +52,7 @@ class ChatStream:
         self.outputs = choice_outputs(model, rendered, stream=True)
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
+        self.producer_cached_tokens: int | None = None  # the producer's usage says (prefix cache hits)
         self.finished = False  # [DONE] was produced
         self._queue: deque[Any] = deque()
         self._ended = False
@@ -116,6 +117,8 @@ class ChatStream:
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
                 return self._fail_with_producer_error(event["error"]), False
+            if "usage" in event:
+                self.producer_cached_tokens = cached_tokens(event)
             outs, abort, tokens = step_event(self.outputs, event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
@@ -220,6 +223,16 @@ def step_event(outputs: ChoiceOutputs, event: dict[str, Any]) -> tuple[list[Any]
         results.extend(outs)
         abort |= stop
     return results, abort, tokens
+
+
+def cached_tokens(event: Any) -> int | None:
+    """The prompt tokens a producer found in its prefix cache, if its usage says
+    (``vllm serve --enable-prompt-tokens-details``)."""
+    try:
+        value = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+    except (KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def producer_error_event(error: Any) -> HTTPError:
