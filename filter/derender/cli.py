@@ -24,6 +24,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
     parser.add_argument("--tool-call-parser", default=None, help="vLLM tool parser name, e.g. hermes")
     parser.add_argument("--enable-auto-tool-choice", action="store_true", help="allow tool_choice=auto")
     parser.add_argument("--default-chat-template-kwargs", default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens (Anthropic: cache_read_input_tokens) from the "
+                        "producers' own usage, as vllm serve with this flag (run the producers with it too)")
 
 
 ROUTING_HELP = (
@@ -57,6 +60,7 @@ def model_spec(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 
@@ -84,7 +88,8 @@ def served(args: argparse.Namespace):
 
 
 MODEL_FLAGS = ("model", "served_model_name", "max_model_len", "chat_template", "reasoning_parser",
-               "tool_call_parser", "enable_auto_tool_choice", "default_chat_template_kwargs", "render_url")
+               "tool_call_parser", "enable_auto_tool_choice", "default_chat_template_kwargs", "render_url",
+               "enable_prompt_tokens_details")
 
 
 def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

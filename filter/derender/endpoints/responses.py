@@ -268,7 +268,8 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
             reasoning_ended=kwargs.get("reasoning_ended"),
             cache_salt=request.cache_salt,
             priority=request.priority,
-        )
+        ),
+        usage=model.prompt_tokens_details,
     )
     return RenderedResponse(
         request=request,

@@ -85,6 +85,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             flags += ["--" + name.replace("_", "-"), str(value)]
     if args.enable_auto_tool_choice:
         flags.append("--enable-auto-tool-choice")
+    if args.enable_prompt_tokens_details:
+        flags.append("--enable-prompt-tokens-details")
     return flags
 
 

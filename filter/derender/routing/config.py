@@ -50,6 +50,7 @@ _KEYS = {
     "producer",
     "render_url",
     "routing",
+    "enable_prompt_tokens_details",
 }
 
 
@@ -144,6 +145,7 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
         tool_call_parser=item.get("tool_call_parser"),
         enable_auto_tool_choice=bool(item.get("enable_auto_tool_choice", False)),
         default_chat_template_kwargs=json.dumps(kwargs) if kwargs is not None else None,
+        enable_prompt_tokens_details=bool(item.get("enable_prompt_tokens_details", False)),
     )
 
 

@@ -37,6 +37,7 @@ class ModelSpec:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     default_chat_template_kwargs: str | None = None  # JSON, as vLLM takes it
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens from the producer
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model]
@@ -54,6 +55,8 @@ class ModelSpec:
             argv += ["--enable-auto-tool-choice"]
         if self.default_chat_template_kwargs:
             argv += ["--default-chat-template-kwargs", self.default_chat_template_kwargs]
+        if self.enable_prompt_tokens_details:
+            argv += ["--enable-prompt-tokens-details"]
         return argv
 
 
@@ -133,7 +136,10 @@ class Model:
             tool_parser=args.tool_call_parser,
             tool_strict_level=args.tool_strict_level,
             default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         )
+        # The producers' prefix-cache hits, passed on in every endpoint's usage (outputs.LateCount).
+        self.prompt_tokens_details: bool = bool(args.enable_prompt_tokens_details)
         self.long_prompts = longprompt.install(self.renderer)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)

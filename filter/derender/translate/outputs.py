@@ -33,6 +33,36 @@ class ProducerError(Exception):
     """The producer sent something the filter cannot turn into output."""
 
 
+class LateCount:
+    """The producer's prefix-cache hits (``num_cached_tokens``), known only from its usage event
+    at the end of the stream. vLLM's generators read ``RequestOutput.num_cached_tokens`` from the
+    first output, as the engine sets it after prefill, and hand it over untouched to the
+    pydantic usage models that take it as an int (``__index__``) once the stream is over; so
+    every output carries this one object, whose value is set when the usage arrives. Sums
+    (Harmony's Responses context adds it up per output) stay late too."""
+
+    __slots__ = ("value", "_parts")
+
+    def __init__(self, parts: tuple = ()) -> None:
+        self.value = 0
+        self._parts = parts
+
+    def __index__(self) -> int:
+        if self._parts:
+            return sum(int(p) for p in self._parts)
+        return self.value
+
+    __int__ = __index__
+
+    def __add__(self, other: Any) -> LateCount:
+        return LateCount((self, other))
+
+    __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return f"LateCount({int(self)})"
+
+
 class ChoiceOutputs:
     """A live ``OutputProcessor`` for one generation (all ``n`` choices)."""
 
@@ -45,6 +75,7 @@ class ChoiceOutputs:
         *,
         stream: bool,
         vocab_size: int | None = None,
+        cached_tokens: bool = False,
     ) -> None:
         # Ids the model cannot emit decode to nothing: refuse them rather than count phantom tokens.
         self.vocab_size = vocab_size or len(tokenizer)
@@ -58,6 +89,7 @@ class ChoiceOutputs:
         self.processor = OutputProcessor(tokenizer, log_stats=False)
         self.finished = [False] * self.n
         self.stopped_early = False  # a stop string ended a choice here, not at the producer
+        self.cached: LateCount | None = LateCount() if cached_tokens else None
         self.child_ids: list[str] = []
         request = EngineCoreRequest(
             request_id=request_id,
@@ -122,6 +154,9 @@ class ChoiceOutputs:
             stop_reason=choice.get("stop_reason"),
         )
         result = self.processor.process_outputs([output])
+        if self.cached is not None:
+            for out in result.request_outputs:
+                out.num_cached_tokens = self.cached
         if finish is not None or output.request_id not in self.processor.request_states:
             self.finished[index] = True
         # A stop string ended a choice the producer is still generating. vLLM's engine

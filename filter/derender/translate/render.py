@@ -71,18 +71,20 @@ async def render_chat_request(model: Model, request: Any, x_request_id: str | No
         request_id=result.request_id,
         prompt_token_ids=list(result.token_ids),
         params=result.sampling_params,
-        body=producer_body(result),
+        body=producer_body(result, usage=model.prompt_tokens_details),
         chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
         conversation=conversation,
     )
 
 
-def producer_body(generate_request: Any) -> bytes:
+def producer_body(generate_request: Any, usage: bool = False) -> bytes:
     """The JSON vLLM's render endpoint would return, minus the stop strings.
 
     A non-streaming request with stop strings asks the producer for a stream:
     the filter has to see the tokens as they come to stop the producer at the
-    stop string, as vLLM's engine stops itself (``collect``).
+    stop string, as vLLM's engine stops itself (``collect``). ``usage``: a stream
+    asks for the producer's final usage event, which carries its prefix-cache hits
+    (``--enable-prompt-tokens-details``).
     """
     params = generate_request.sampling_params
     if params.stop:
@@ -95,6 +97,8 @@ def producer_body(generate_request: Any) -> bytes:
             update["stream"] = True
         generate_request = generate_request.model_copy(update=update)
     body = generate_request.model_dump()
+    if usage and body.get("stream"):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     # vLLM serializes SamplingParams without fields equal to their defaults, and a
     # producer fills a missing max_tokens from max_model_len: an explicit 16 (the
     # default) would be lost. The coupled server honours it, so send it always.

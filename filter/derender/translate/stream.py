@@ -42,17 +42,20 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
         rendered.params,
         stream=stream,
         vocab_size=model.model_config.get_vocab_size(),
+        cached_tokens=model.prompt_tokens_details,
     )
 
 
 class ChatStream:
     """One streaming chat completion, from producer events to client bytes."""
 
+    producer_cached_tokens: int | None = None  # the producer's usage says (prefix cache hits)
+    _usage_seen = False  # the producer's final usage event came
+
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self.outputs = choice_outputs(model, rendered, stream=True)
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
-        self.producer_cached_tokens: int | None = None  # the producer's usage says (prefix cache hits)
         self.finished = False  # [DONE] was produced
         self._queue: deque[Any] = deque()
         self._ended = False
@@ -117,8 +120,11 @@ class ChatStream:
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
                 return self._fail_with_producer_error(event["error"]), False
-            if "usage" in event:
+            if event.get("usage") and not event.get("choices"):  # the producer's final usage event
                 self.producer_cached_tokens = cached_tokens(event)
+                self._usage_seen = True
+                if self.outputs.cached is not None:
+                    self.outputs.cached.value = self.producer_cached_tokens or 0
             outs, abort, tokens = step_event(self.outputs, event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
@@ -126,7 +132,9 @@ class ChatStream:
             self._accept(outs)
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
-        if self.outputs.done:
+        # With the producer's cache hits to pass on, vLLM's generator ends (and writes its final
+        # usage) once the producer's usage event, right after the last token, has come.
+        if self.outputs.done and (self.outputs.cached is None or self._usage_seen):
             self._ended = True
         return self._pump(), abort
 
@@ -256,7 +264,10 @@ def check_output_mode(event: Any) -> None:
 def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
     """The one final ``RequestOutput`` of a non-streaming producer response."""
     try:
-        finals, _, _ = step_event(outputs, json.loads(producer_body))
+        event = json.loads(producer_body)
+        if outputs.cached is not None:
+            outputs.cached.value = cached_tokens(event) or 0
+        finals, _, _ = step_event(outputs, event)
     except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise HTTPError(502, f"invalid producer response: {exc}") from None
     if not outputs.done or len(finals) != 1:
