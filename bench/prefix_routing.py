@@ -40,13 +40,16 @@ import aiohttp  # noqa: E402
 import procs  # noqa: E402
 from derender.ops import assets  # noqa: E402
 
-# name: (routing, the filter's --workers, replicas); None: the command line's
+# name: (routing, the filter's --workers, replicas, more flags of derender up); None: the command line's
 MODES = {
-    "least-request": ("least-request", None, None),
-    "prefix": ("prefix", None, None),
-    "precise": ("precise", None, None),
-    "precise 1 worker": ("precise", 1, None),
-    "ideal": ("least-request", None, 1),
+    "least-request": ("least-request", None, None, []),
+    "prefix": ("prefix", None, None, []),
+    # The other choice of key: at most 48 blocks (768 tokens), inside every tenant's system prompt,
+    # so all of a tenant's conversations share one key.
+    "prefix, tenant key": ("prefix", None, None, ["--prefix-key-blocks", "48"]),
+    "precise": ("precise", None, None, []),
+    "precise 1 worker": ("precise", 1, None, []),
+    "ideal": ("least-request", None, 1, []),
 }
 WORDS = ("account billing invoice region quarter revenue margin forecast staffing vendor contract renewal "
          "shipment warehouse latency outage incident ticket customer refund policy audit compliance budget "
@@ -123,15 +126,15 @@ def pct(values: list[float], q: float) -> float:
 
 def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> dict:
     port = procs.free_port()
-    routing, workers, replicas = MODES[mode]
+    routing, workers, replicas, more = MODES[mode]
     replicas = replicas or args.replicas
     blocks = 1 << 30 if mode == "ideal" else args.cache_blocks
     argv = [procs.PYTHON, "-m", "derender.cli", "up", "--port", str(port), "--replicas", str(replicas),
-            "--routing", routing, "--workers", str(workers or args.workers),
+            "--routing", routing, "--workers", str(workers or args.workers), *more,
             f"--sim-arg=--prefix-cache-blocks={blocks}", f"--sim-arg=--prefill-us-per-token={args.prefill_us_per_token}",
             f"--sim-arg=--delay={args.delay}", f"--sim-arg=--tokens-per-event={args.tokens_per_event}",
             "--sim-arg=--enable-prompt-tokens-details"]
-    up = procs.Proc(f"prefix-{mode.replace(' ', '').replace(',', '-')}", argv).start()
+    up = procs.Proc("prefix-" + "".join(c if c.isalnum() else "-" for c in mode), argv).start()
     try:
         up.wait(lambda: "endpoint ready" in up.log.read_text(errors="replace"), 300)
         line = re.search(r"producer (http://\S+)", up.log.read_text(errors="replace"))
@@ -288,14 +291,14 @@ def main() -> int:
                         "time to first token shows prefill and its queue, not this 2-core machine's CPU)")
     parser.add_argument("--workers", type=int, default=2, help="the filter's --workers")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--modes", default=";".join(MODES), help="semicolon-separated, of: " + "; ".join(MODES))
     parser.add_argument("--out", default=str(BENCH / "PREFIX.md"), help="report file ('-': print only)")
     args = parser.parse_args()
     assets.fetch("qwen3", quiet=True)
     procs.LOGS.mkdir(parents=True, exist_ok=True)
     conversations = workload(args)
     results: dict = {"in_process": routing_cost(conversations)}
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(";"):
         results[mode] = one_mode(args, mode, conversations)
     if set(MODES) <= set(results):
         text = report(args, results)

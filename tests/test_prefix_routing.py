@@ -36,8 +36,9 @@ class Replicas:
             for _ in range(REPLICAS):
                 self.sims.append(start_sim(model_dir, "--prefix-cache-blocks", "4096", "--enable-prompt-tokens-details"))
             urls = [url for _, url in self.sims]
+            self.metrics = free_port()
             self.filter, port = start_filter(["--model", model_dir, "--served-model-name", "qwen3", "--routing", mode,
-                                              "--workers", "1"], ",".join(urls))
+                                              "--workers", "1", "--metrics-port", str(self.metrics)], ",".join(urls))
             self.procs.append(self.filter)
             cluster = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, mode))
             listen, self.admin = free_port(), free_port()
@@ -127,6 +128,39 @@ def test_two_tenants_conversations_spread_over_the_replicas(replicas):
         for c in range(6):
             served.add(replicas.conversation(tenant, f"Tenant {tenant} conversation {c}: summarise report {c}.", 1)[0])
     assert len(served) >= 2, served  # consistent hashing by conversation, not one replica for all
+
+
+def test_metrics_count_each_replicas_requests_prompt_and_cached_tokens(replicas):
+    """derender_routed_* per replica agree with what each simulator counted itself."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    replicas.conversation("B", "Metrics: count me, replica by replica.", 3)
+    ports = [url.rsplit(":", 1)[1] for _, url in replicas.sims]
+
+    def counted() -> dict[tuple[str, str], float]:
+        text = http_get(f"http://127.0.0.1:{replicas.metrics}/metrics")[1].decode()
+        out: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.startswith("derender_routed_") and s.name.endswith("_total"):
+                    assert s.labels["routing"] == replicas.mode
+                    key = (s.name, s.labels["replica"].rsplit(":", 1)[-1])
+                    out[key] = out.get(key, 0) + s.value
+        return out
+
+    stats = replicas.stats()
+    want = {("derender_routed_requests_total", p): s["received"] for p, s in zip(ports, stats) if s["received"]}
+
+    def agree():
+        got = counted()
+        return all(got.get(k) == v for k, v in want.items()) and got
+    got = wait_for(agree, "the routed request counters to match the simulators'")
+    for p, s in zip(ports, stats):
+        assert got.get(("derender_routed_prompt_tokens_total", p), 0) == s["prompt_tokens"]
+        # The producers' own counts, from their usage: every non-streaming answer carries it (a
+        # stream only when asked for usage), so never more than a simulator counted.
+        assert got.get(("derender_routed_cached_prompt_tokens_total", p), 0) <= s["cached_prompt_tokens"]
+    assert sum(v for (name, _), v in got.items() if name == "derender_routed_cached_prompt_tokens_total") > 0
 
 
 def test_least_request_spreads_a_conversations_turns(qwen3_dir):

@@ -41,6 +41,8 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         help=ROUTING_HELP)
     parser.add_argument("--prefix-block-size", type=int, default=16,
                         help="tokens per prefix-cache block, as the producers run (vLLM's --block-size; default 16)")
+    parser.add_argument("--prefix-key-blocks", type=int, default=256,
+                        help="the routing key covers a prompt's first turn, at most this many blocks (default 256)")
     parser.add_argument("--prefix-caching-hash-algo", default="sha256",
                         choices=("sha256", "sha256_cbor"),
                         help="the producers' --prefix-caching-hash-algo, for the prefix key (default sha256; "
@@ -143,7 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = served(args)
     from .routing.balance import RoutingSpec
 
-    routing = RoutingSpec(args.routing, args.prefix_block_size, args.prefix_caching_hash_algo)
+    routing = RoutingSpec(args.routing, args.prefix_block_size, args.prefix_caching_hash_algo,
+                          key_blocks=args.prefix_key_blocks)
     serve = workers.filter_server(model, args.producer, args.host, args.port, routing)
     code = workers.run(serve, args.port, args.workers)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension

@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             producer = urls[0]
         producer_host, producer_port = envoy_config.split_url(producer)
         routing = ["--routing", args.routing, "--prefix-block-size", str(args.prefix_block_size),
-                   "--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
+                   "--prefix-caching-hash-algo", args.prefix_caching_hash_algo,
+                   "--prefix-key-blocks", str(args.prefix_key_blocks)]
 
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []

@@ -8,18 +8,19 @@ replica, which prompts share a prefix that vLLM's prefix cache can reuse:
   chain hash of the first turn's blocks); the cluster balances by consistent hashing
   on it (``ring_hash`` with a ``hash_balance_factor`` bound). Stateless: every worker
   and every filter replica sends a conversation to the same producer replica.
-- ``precise``: the same header, and the filter also remembers, per block chain, which
-  replica last served it (Envoy names the replica in ``UPSTREAM_HEADER``). A request
-  whose leading blocks a replica is known to hold goes there, by ``ENDPOINT_HEADER``
-  (the Gateway API Inference Extension's name, read by Envoy's ``override_host`` load
-  balancing), unless that replica has more requests of this process in flight than
-  ``bound`` times the mean (Envoy's ``hash_balance_factor`` rule); then, and without a match, the cluster's consistent hash
-  on the key decides, as in ``prefix`` mode. The memory is per worker process: with
-  several workers or filter replicas, each learns from the requests it sees, and the
-  shared key keeps a conversation's first sighting in one place anyway.
+- ``precise``: the same header, and the filter also remembers which replica last
+  served what lies beyond a key (Envoy names the replica in ``UPSTREAM_HEADER``). A
+  request that extends what a replica is known to hold goes there, by
+  ``ENDPOINT_HEADER`` (the Gateway API Inference Extension's name, read by Envoy's
+  ``override_host`` load balancing), unless that replica has more requests of this
+  process in flight than ``bound`` times the mean (as Envoy's ``hash_balance_factor``
+  bounds); then, and without a match, the cluster's consistent hash on the key
+  decides, as in ``prefix`` mode. The memory is per worker process: with several
+  workers or filter replicas, each learns from the requests it sees, and the shared
+  key keeps a conversation's first sighting in one place anyway.
 
-Precise mode overrides the consistent hash only for a match longer than the key's
-own prefix: a match on the key's prefix alone (a tenant's system prompt, the first
+Precise mode overrides the consistent hash only for a match beyond the key's own
+prefix: a match on the key's prefix alone (a tenant's system prompt, the first
 turn) is what the hash already spreads and sticks, and following it would pile a
 tenant's conversations onto one replica. What precise adds is following a
 conversation whose later turns the load bound moved, and prompts that share more
@@ -186,6 +187,7 @@ class RoutingSpec:
     block_size: int = 16  # --prefix-block-size: vLLM's prefix-cache block size
     hash_algo: str = "sha256"  # --prefix-caching-hash-algo, as the producers run
     bound: float = 1.25  # precise: a matched replica's share of requests in flight, over the mean
+    key_blocks: int = 256  # --prefix-key-blocks: the most blocks a key covers
 
     def balancer(self, tokenizer: object | None, mode: str | None = None) -> Balancer | None:
         """A ``Balancer`` for one model (its tokenizer finds the first answer's header), or None."""
@@ -195,4 +197,5 @@ class RoutingSpec:
         from .prefix import BlockHasher, answer_marker
 
         marker = answer_marker(tokenizer) if tokenizer is not None else ()
-        return Balancer(mode, PrefixKey(BlockHasher(self.block_size, self.hash_algo), marker), self.bound)
+        hasher = BlockHasher(self.block_size, self.hash_algo)
+        return Balancer(mode, PrefixKey(hasher, marker, self.key_blocks), self.bound)
