@@ -13,8 +13,8 @@ replica, which prompts share a prefix that vLLM's prefix cache can reuse:
   request that extends what a replica is known to hold goes there, by
   ``ENDPOINT_HEADER`` (the Gateway API Inference Extension's name, read by Envoy's
   ``override_host`` load balancing), unless that replica has more requests of this
-  process in flight than ``bound`` times the mean (as Envoy's ``hash_balance_factor``
-  bounds); then, and without a match, the cluster's consistent hash on the key
+  process in flight than ``bound`` times the mean, counting this one (no rounding up:
+  this worker sees only its own share of the load); then, and without a match, the cluster's consistent hash on the key
   decides, as in ``prefix`` mode. The memory is per worker process: with several
   workers or filter replicas, each learns from the requests it sees, and the shared
   key keeps a conversation's first sighting in one place anyway.
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,7 +121,7 @@ class Balancer:
             depth = (covered + depth * size * self.STRIDE) // size
             if best is None:
                 decision.why = "key"  # nothing known beyond what the key's hash places
-            elif self.in_flight[best] + 1 > math.ceil(self.bound * (sum(self.in_flight.values()) + 1) / len(self.in_flight)):
+            elif self.in_flight[best] + 1 > max(1.0, self.bound * (sum(self.in_flight.values()) + 1) / len(self.in_flight)):
                 decision.why = "bound"
             else:
                 decision.why, decision.chosen, decision.matched_blocks = "match", best, depth
