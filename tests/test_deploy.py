@@ -26,7 +26,7 @@ import pytest
 import yaml
 from derender.ops import envoy_config
 from derender.cli import build_parser
-from derender.routing.balance import KEY_HEADER
+from derender.routing.balance import ENDPOINT_NAMESPACE, KEY_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
@@ -128,6 +128,8 @@ EXT_PROC = {
     "allow_mode_override": True,  # non-streaming answers switch to BUFFERED
     "status_on_error": {"code": 502},
     "mutation_rules": {"allow_envoy": True},  # x-envoy-original-path: the access log shows the client's path
+    # Precise routing's replica: dynamic metadata from the filter, in the one namespace override_host reads.
+    "metadata_options": {"receiving_namespaces": {"untyped": [ENDPOINT_NAMESPACE]}},
 }
 
 

@@ -22,6 +22,7 @@ import openai
 import pytest
 import yaml
 from derender.routing import config
+from derender.routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE
 from derender.ops import envoy_config
 from openai import OpenAI
 from stack import LOGS, free_port, http_get, start_sim, wait_for
@@ -304,7 +305,9 @@ def test_config_routing_writes_each_cluster_to_match(tmp_path):
     clusters = {c["name"]: c for c in (json.loads(line[4:]) for line in config.envoy_clusters(entries, "prefix").splitlines())}
     policy = clusters["a"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
     assert policy["name"] == "envoy.load_balancing_policies.override_host"
-    assert policy["typed_config"]["override_host_sources"] == [{"header": "x-gateway-destination-endpoint"}]
+    # The chosen replica comes as dynamic metadata (which a client cannot send), not as a header.
+    assert policy["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": ENDPOINT_NAMESPACE, "path": [{"key": ENDPOINT_KEY}]}}]
     assert clusters["b"]["lb_policy"] == "RING_HASH"
     assert clusters["b"]["common_lb_config"]["consistent_hashing_lb_config"]["hash_balance_factor"] == 125
     for cluster in clusters.values():  # several replicas: health-checked, so a dead one leaves the ring

@@ -163,6 +163,71 @@ def test_metrics_count_each_replicas_requests_prompt_and_cached_tokens(replicas)
     assert sum(v for (name, _), v in got.items() if name == "derender_routed_cached_prompt_tokens_total") > 0
 
 
+# -- a client cannot steer (issue 24) -------------------------------------------------------------
+
+# One request per API, streaming and not: the routing headers a client forges must change nothing.
+API_REQUESTS = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Steer me, if you can."}], "max_tokens": 8}),
+    "completions": ("/v1/completions", {"prompt": "Steer me, if you can, by a header.", "max_tokens": 8}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Steer me, Anthropic way."}], "max_tokens": 8}),
+    "responses": ("/v1/responses", {"input": "Steer me, Responses way.", "max_output_tokens": 8}),
+}
+VARYING = {"x-request-id", "x-envoy-expected-rq-timeout-ms", "x-envoy-attempt-count"}
+
+
+def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
+    """For every API, streaming and not: the same request with forged routing headers (the replica
+    override, the prefix key, the cluster, any x-derender-* header) reaches the same replica as
+    without them, and that producer receives the same headers and body as it did without them."""
+    addresses = ["127.0.0.1:" + url.rsplit(":", 1)[1] for _, url in stack.sims]
+
+    def send(path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
+        before = stack.received()
+        status, out = http_post(stack.base + path, body, timeout=60, headers=headers)
+        assert status == 200, out
+        after = stack.received()
+        [served] = [i for i, (a, b) in enumerate(zip(before, after)) if b == a + 1]
+        url = stack.sims[served][1]
+        seen = json.loads(http_get(url + "/sim/headers")[1])[-1]
+        request = json.loads(http_get(url + "/sim/requests")[1])[-1]
+        request.pop("request_id", None)
+        return served, {k.lower(): v for k, v in seen.items() if k.lower() not in VARYING}, request
+
+    for api, (path, body) in API_REQUESTS.items():
+        for stream in (False, True):
+            full = {"model": "qwen3", **body, "stream": stream}
+            served, headers, request = send(path, full)
+            forged = {
+                "x-gateway-destination-endpoint": addresses[(served + 1) % len(addresses)],
+                "x-derender-prefix-key": "0" * 64,
+                "x-derender-cluster": "derender",
+                "x-derender-anything": "forged",
+            }
+            for _ in range(2):
+                where, *got = send(path, full, forged)
+                assert got == [headers, request], (api, stream, forged)
+                if stack.mode != "least-request":  # there Envoy picks anew each time, header or not
+                    assert where == served, (api, stream, forged)
+            # Only the filter's own: the cluster it chose, and the key in the hashing modes.
+            assert {k for k in headers if k.startswith("x-derender-")} <= {"x-derender-prefix-key", "x-derender-cluster"}
+            assert headers["x-derender-cluster"] == "producer"
+            assert "x-gateway-destination-endpoint" not in headers
+            assert ("x-derender-prefix-key" in headers) == (stack.mode != "least-request"), headers
+
+    # A dozen conversations naming one replica spread over the replicas as they do without it.
+    named = addresses[0]
+    where = set()
+    for c in range(12):
+        full = {"model": "qwen3", "messages": [{"role": "user", "content": f"Conversation {c}: aim me at one replica."}],
+                "max_tokens": 4}
+        where.add(send("/v1/chat/completions", full, {"x-gateway-destination-endpoint": named})[0])
+    assert len(where) >= 2, where
+
+
+def test_forged_routing_headers_change_nothing(replicas):
+    check_forged_routing_headers_change_nothing(replicas)
+
+
 def test_least_request_spreads_a_conversations_turns(qwen3_dir):
     """The contrast the routing modes exist for: Envoy's own balancing does not keep a
     conversation on one replica (so the modes' stickiness above is theirs)."""
@@ -172,6 +237,8 @@ def test_least_request_spreads_a_conversations_turns(qwen3_dir):
         for c in range(3):
             where += [tuple(stack.conversation("A", f"Conversation {c}: plan trip {c}.", 4))]
         assert any(len(set(w)) > 1 for w in where), where
+        stack.mode = "least-request"
+        check_forged_routing_headers_change_nothing(stack)
     finally:
         stack.stop()
 
@@ -316,15 +383,16 @@ def test_precise_forgets_a_replica_envoy_did_not_use_and_bounds_load():
         balancer.started(d, "10.0.0.1:8000", 200)
         balancer.finished(d)
     headers, d = balancer.route(turn3)
-    assert d.why == "match" and headers["x-gateway-destination-endpoint"] == "10.0.0.1:8000"
+    assert d.why == "match" and d.chosen == "10.0.0.1:8000"
+    assert set(headers) == {"x-derender-prefix-key"}  # the replica never travels as a header
     assert d.matched_blocks > d.key_blocks
     balancer.started(d, "10.0.0.2:8000", 200)  # Envoy used another replica: the asked one is gone
     assert "10.0.0.1:8000" not in balancer.in_flight
     balancer.finished(d)
     headers, d = balancer.route(turn3)  # now known on the replica that served it
-    assert headers.get("x-gateway-destination-endpoint") == "10.0.0.2:8000"
+    assert d.chosen == "10.0.0.2:8000"
     # Load bound: that replica already has 3 requests of this process in flight, the other none.
     balancer.in_flight.update({"10.0.0.2:8000": 3, "10.0.0.3:8000": 0})
     headers, d = balancer.route(turn3)
-    assert d.why == "bound" and "x-gateway-destination-endpoint" not in headers
+    assert d.why == "bound" and d.chosen is None
     assert isinstance(d, Decision) and headers["x-derender-prefix-key"]  # the consistent hash decides

@@ -32,6 +32,8 @@ class Rewrite:
     # The prompt as token ids (and its cache_salt): what producer routing keys on.
     prompt_ids: list[int] | None = None
     cache_salt: str | None = None
+    # The producer replica routing chose ("IP:PORT"), handed to Envoy as dynamic metadata.
+    destination: str | None = None
     # Work for the time the producer takes to answer, once the request has gone on.
     then: Callable[[], None] | None = None
 

@@ -32,7 +32,8 @@ from ..health import add_health
 from ..translate.model import Model
 from ..routing.balance import RoutingSpec
 from ..routing.producer import UPSTREAM_HEADER
-from ..routing.routes import Reply, Router, producers
+from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE
+from ..routing.routes import STEERING_HEADERS, STEERING_PREFIX, Reply, Router, producers
 from ..ops.warmup import warm_up
 
 log = logging.getLogger("derender.extproc")
@@ -128,7 +129,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         yield immediate(routed.status, routed.body, routed.content_type)
                         return
                     exchange = routed
-                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                    yield self._request_headers(headers)
                 elif kind == "request_body" and exchange is not None:
                     try:
                         rewrite = await exchange.request_body(message.request_body.body)
@@ -193,9 +194,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 exchange.close(complete)
 
     @staticmethod
+    def _request_headers(headers: dict[str, str]) -> pb.ProcessingResponse:
+        """Go on to the body; the client's copies of the headers that steer Envoy are removed here,
+        on every path, so that only the filter's own (set with the rewrite) can choose a cluster
+        or a producer replica."""
+        forged = [k for k in headers if k in STEERING_HEADERS or k.startswith(STEERING_PREFIX)]
+        if not forged:
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=_mutation(remove=forged)))
+        )
+
+    @staticmethod
     def _request_rewrite(rewrite: Rewrite) -> pb.ProcessingResponse:
         headers = {":path": rewrite.path, "content-length": str(len(rewrite.body)), **rewrite.set_headers}
-        return pb.ProcessingResponse(
+        response = pb.ProcessingResponse(
             request_body=pb.BodyResponse(
                 response=pb.CommonResponse(
                     header_mutation=_mutation(headers, STRIP_REQUEST_HEADERS),
@@ -204,6 +217,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 )
             )
         )
+        if rewrite.destination is not None:
+            # Precise routing's replica, for Envoy's override_host policy: dynamic metadata, which no
+            # client can send (Envoy accepts it only in the namespaces its metadata_options allow).
+            response.dynamic_metadata.update({ENDPOINT_NAMESPACE: {ENDPOINT_KEY: rewrite.destination}})
+        return response
 
     @staticmethod
     def _response_start(start: ResponseStart) -> pb.ProcessingResponse:

@@ -52,7 +52,8 @@ BALANCE_FACTOR = 125
 def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str = "least-request") -> dict:
     """An Envoy producer cluster balancing as ``--routing`` asks (``derender.routing.balance``):
     least request; consistent hashing on the filter's prefix key with bounded load; or the
-    replica the filter names (``x-gateway-destination-endpoint``), else that consistent hash.
+    replica the filter names (dynamic metadata ``envoy.lb`` / ``x-gateway-destination-endpoint``, which the
+    ext_proc filter accepts from the filter and no client can send), else that consistent hash.
     Health-checked on /health, so a replica that goes down leaves the ring with its keys."""
     endpoints = []
     for url in urls:
@@ -80,7 +81,8 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
             "name": "envoy.load_balancing_policies.override_host",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                "override_host_sources": [{"header": "x-gateway-destination-endpoint"}],
+                # routing.balance's ENDPOINT_NAMESPACE / ENDPOINT_KEY (test_multi_model holds them equal)
+                "override_host_sources": [{"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
                 "fallback_policy": {"policies": [{"typed_extension_config": {
                     "name": "envoy.load_balancing_policies.ring_hash", "typed_config": ring_hash}}]},
             },

@@ -10,9 +10,10 @@ replica, which prompts share a prefix that vLLM's prefix cache can reuse:
   and every filter replica sends a conversation to the same producer replica.
 - ``precise``: the same header, and the filter also remembers which replica last
   served what lies beyond a key (Envoy names the replica in ``UPSTREAM_HEADER``). A
-  request that extends what a replica is known to hold goes there, by
-  ``ENDPOINT_HEADER`` (the Gateway API Inference Extension's name, read by Envoy's
-  ``override_host`` load balancing), unless that replica has more requests of this
+  request that extends what a replica is known to hold goes there (``Decision.chosen``:
+  the filter hands it to Envoy as dynamic metadata ``envoy.lb`` / ``ENDPOINT_KEY``, the
+  Gateway API Inference Extension's names, read by Envoy's ``override_host`` load
+  balancing; a client cannot send metadata), unless that replica has more requests of this
   process in flight than ``bound`` times the mean, counting this one (no rounding up:
   this worker sees only its own share of the load); then, and without a match, the cluster's consistent hash on the key
   decides, as in ``prefix`` mode. The memory is per worker process: with several
@@ -49,7 +50,8 @@ log = logging.getLogger("derender.balance")
 LEAST_REQUEST, PREFIX, PRECISE = "least-request", "prefix", "precise"
 MODES = (LEAST_REQUEST, PREFIX, PRECISE)
 KEY_HEADER = "x-derender-prefix-key"
-ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+# Where precise routing's choice travels: Envoy dynamic metadata, never a request header.
+ENDPOINT_NAMESPACE, ENDPOINT_KEY = "envoy.lb", "x-gateway-destination-endpoint"
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Decision:
     prompt_tokens: int = 0
     key_blocks: int = 0  # leading blocks the key covers
     matched_blocks: int = 0  # precise: blocks the chosen replica is known to hold
-    chosen: str | None = None  # precise: the replica asked for by ENDPOINT_HEADER
+    chosen: str | None = None  # precise: the replica asked for (ENDPOINT_KEY)
     why: str = ""  # precise: match, bound (the match was too loaded), key (nothing known beyond the key)
     chain: list[int] | None = None
     counted: str | None = None  # the replica this request is counted in flight on
@@ -106,7 +108,8 @@ class Balancer:
         self.in_flight: dict[str, int] = {}  # known replicas -> this process's requests there
 
     def route(self, ids: Sequence[int] | None, cache_salt: str | None = None) -> tuple[dict[str, str], Decision]:
-        """The headers that route this prompt, and the decision to report back."""
+        """The headers that route this prompt, and the decision to report back (its ``chosen``:
+        the replica precise routing asks Envoy for, if any)."""
         decision = Decision(self.mode, prompt_tokens=len(ids or ()))
         if self.mode == LEAST_REQUEST or not ids:
             return {}, decision
@@ -125,7 +128,6 @@ class Balancer:
                 decision.why = "bound"
             else:
                 decision.why, decision.chosen, decision.matched_blocks = "match", best, depth
-                headers[ENDPOINT_HEADER] = best
                 self._count(decision, best)
         return headers, decision
 

@@ -22,11 +22,15 @@ import orjson
 from ..ops import metrics
 from ..translate.errors import HTTPError, anthropic_error_body, dumps
 from ..translate.model import Model
-from .balance import Balancer, Decision, RoutingSpec
+from .balance import ENDPOINT_KEY, KEY_HEADER, Balancer, Decision, RoutingSpec
 from .producer import Producer, abort_replica_first
 from ..extproc.actions import Reply, Rewrite
 
 CLUSTER_HEADER = "x-derender-cluster"
+# Request headers that steer Envoy (which cluster, which replica): only the filter sets them. The
+# server removes the client's copies of these, and of every other x-derender-* header, on every path.
+STEERING_HEADERS = (CLUSTER_HEADER, KEY_HEADER, ENDPOINT_KEY)
+STEERING_PREFIX = "x-derender-"
 DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"
@@ -205,6 +209,7 @@ class ModelExchange:
                 headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt)
                 self.decision.cpu_us = (time.thread_time() - began) * 1e6
                 result.set_headers.update(headers)
+                result.destination = self.decision.chosen
                 self.balancer = backend.balancer
         return result
 
