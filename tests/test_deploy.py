@@ -143,6 +143,11 @@ def test_every_layout_talks_to_the_filter_as_the_readme_says(path):
         assert ours[key] == value, key
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     assert manager["stream_error_on_invalid_http_message"] is True  # a 400 keeps the client's connection
+    # A limit on client connections (Envoy warns at start without one); the admin page stays reachable.
+    [monitor] = config["overload_manager"]["resource_monitors"]
+    assert monitor["name"] == "envoy.resource_monitors.global_downstream_max_connections"
+    assert int(monitor["typed_config"]["max_active_downstream_connections"]) == 10000
+    assert config["admin"]["ignore_global_conn_limit"] is True
     routes = [r for host in manager["route_config"]["virtual_hosts"] for r in host["routes"] if "route" in r]
     assert routes
     for route in routes:
@@ -442,3 +447,9 @@ def test_k8s_routes_the_vllm_pods_by_the_filters_prefix_key(k8s):
     assert policy["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": KEY_HEADER}}
     [filter_] = [obj for (kind, _), obj in k8s.items() if kind == "Deployment" and "--port=9002" in _container_args(obj)]
     assert "--routing=prefix" in _container_args(filter_)
+
+
+def test_k8s_limits_client_connections_as_every_envoy_layout_does(k8s):
+    """Envoy Gateway's ClientTrafficPolicy sets the same client connection limit as envoy/*.yaml."""
+    policy = k8s[("ClientTrafficPolicy", "openai")]["spec"]
+    assert policy["connection"]["connectionLimit"] == {"value": 10000}

@@ -532,3 +532,88 @@ def test_agent_endpoints_are_counted_and_logged_as_their_operation(ms, qwen3_tok
                      "the request's log line")
     assert len(lines) == 1 and f": {operation} " in lines[0]
     assert "status=200" in lines[0] and "stream=true" in lines[0] and f"completion_tokens={len(ids) + 1}" in lines[0]
+
+
+# -- a client leaving: after the last event (served whole) or before it (cancelled) ---------------
+# Each API's request and the line of its stream's last event (what the client waits for).
+LEAVING = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             lambda line: line == "data: [DONE]"),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64},
+                 lambda line: line == "event: message_stop"),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 64, "store": False},
+                  lambda line: line == "event: response.completed"),
+}
+
+
+def _request_line(stack: MetricsStack, x_request_id: str) -> dict:
+    """The filter's one log line of a request, as fields (any endpoint)."""
+    line = wait_for(lambda: next((x for x in stack.filter.log.read_text().splitlines() if f"x_request_id={x_request_id}" in x), None),
+                    "the request's log line")
+    fields = {}
+    for key, value in re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', line.split(": ", 1)[1]):
+        fields[key] = json.loads(value) if value[0] in '"[{' or value in ("true", "false", "null") or value[0].isdigit() else value
+    return fields
+
+
+@pytest.mark.parametrize("leaves", ["after the last event", "mid-stream"])
+@pytest.mark.parametrize("api", list(LEAVING))
+def test_a_client_leaving_after_the_last_event_was_served_whole(ms, qwen3_tokenizer, api, leaves):
+    """Codex closes its connection right after ``response.completed``, often before the producer's
+    body has ended: that client got everything, and is logged and counted so, its producer request
+    left alone. A client leaving before the last event is cancelled, and its producer request aborted.
+    The producer holds each request (after its last token and usage, before ``[DONE]``; or after
+    2 events) until the client has gone, so the order is certain."""
+    ids = encode(qwen3_tokenizer, "A whole answer, every word of it sent.")
+    ms.set_script({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    ms.sim_config(hold_after="end" if leaves == "after the last event" else 2)
+    path, body, last = LEAVING[api]
+    operation = api
+    x_request_id = f"leave-{uuid.uuid4().hex}"
+    before = ms.scrape()
+    lines = []
+    with httpx.stream("POST", ms.envoy_url + path, json={"model": "qwen3", "stream": True, **body},
+                      headers={"x-request-id": x_request_id}, timeout=60) as r:
+        assert r.status_code == 200
+        if leaves == "mid-stream":
+            wait_for(lambda: json.loads(http_get(ms.sim_url + "/sim/stats")[1])["held"], "the producer holding it")
+        else:
+            for line in r.iter_lines():
+                lines.append(line)
+                if last(line):
+                    break
+            assert last(lines[-1]), lines
+            assert json.loads(http_get(ms.sim_url + "/sim/stats")[1])["held"]  # the producer's body is not over
+    fields = _request_line(ms, x_request_id)
+    engine = f"generate-tokens-{x_request_id}"
+    duration = "gen_ai_client_operation_duration_seconds_count"
+    labels = {"gen_ai_operation_name": operation, "gen_ai_request_model": "qwen3"}
+    error_type = "" if leaves == "after the last event" else "cancelled"
+    after = ms.settled(lambda m: m.get(duration, **labels, error_type=error_type)
+                       > before.get(duration, **labels, error_type=error_type), "the request counted")
+    other = "cancelled" if error_type == "" else ""
+    assert after.get(duration, **labels, error_type=other) == before.get(duration, **labels, error_type=other)
+    assert fields["stream"] is True and fields["status"] == 200
+    if leaves == "after the last event":
+        assert (fields["complete"], fields["error"]) == (True, None), fields
+        assert fields["completion_tokens"] == len(ids) + 1
+        # A later request, served whole, and still no abort of this one: nothing was left to abort.
+        ms.sim_config()
+        assert chat(ms.envoy_url, stream=True).status_code == 200
+        assert engine not in json.loads(http_get(ms.sim_url + "/sim/aborted")[1])
+    else:
+        assert (fields["complete"], fields["error"]) == (False, "cancelled"), fields
+        wait_for(lambda: engine in json.loads(http_get(ms.sim_url + "/sim/aborted")[1]), "the producer request aborted")
+
+
+@pytest.mark.parametrize("api", list(LEAVING))
+def test_a_refused_streaming_request_is_logged_as_streaming(ms, api):
+    """A 400 on a ``stream: true`` body: its log line says what the client asked for."""
+    path, body, _ = LEAVING[api]
+    x_request_id = f"refused-{uuid.uuid4().hex}"
+    bad = {**body, "temperature": "very hot"}
+    r = httpx.post(ms.envoy_url + path, json={"model": "qwen3", "stream": True, **bad},
+                   headers={"x-request-id": x_request_id}, timeout=60)
+    assert r.status_code == 400, r.text
+    fields = _request_line(ms, x_request_id)
+    assert (fields["status"], fields["stream"]) == (400, True), fields

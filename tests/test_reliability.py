@@ -735,3 +735,57 @@ def test_sigterm_drains_open_streams_and_refuses_new_ones(plain_stack, qwen3_dir
         sim.sim_config()
         envoy.stop()
         flt.stop()
+
+
+@pytest.fixture(scope="module")
+def two_connection_envoy(plain_stack):
+    """The same filter and producer behind an Envoy whose overload manager takes at most 2 client
+    connections at once (the shipped default is 10000, ``derender up --max-connections``)."""
+    envoy, base = start_envoy(plain_stack.filter_port, plain_stack.sim_url, MAX_CONNECTIONS=2)
+    yield base
+    envoy.stop()
+
+
+def test_past_the_connection_limit_a_new_connection_is_closed_while_open_streams_finish(
+        sim, script, qwen3_tokenizer, two_connection_envoy):
+    """Two streams held open by the producer fill the limit: a third connection is closed with no
+    answer (nothing reaches the filter or the producer); the two streams then finish whole, and once
+    they are done a new connection is served."""
+    base = two_connection_envoy
+    ids = encode(qwen3_tokenizer, "Two streams held open, then released whole.")
+    script.set({"index": 0, "token_ids": ids + [IM_END], "finish_reason": "stop", "stop_reason": None})
+    sim.sim_config(hold_after=2)
+    received = sim.sim_received()
+    results: list[tuple[int, bytes]] = []
+
+    def one() -> None:
+        with httpx.stream("POST", base + "/v1/chat/completions", json=chat(), timeout=60) as r:
+            results.append((r.status_code, r.read()))
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(sim.sim_held()) == 2, "both streams held by the producer")
+        host, port = base.removeprefix("http://").split(":")
+        body = json.dumps(chat()).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            try:
+                conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                answer = conn.recv(65536)
+            except (ConnectionResetError, BrokenPipeError):
+                answer = b""
+        assert answer == b"", answer
+        assert sim.sim_received() == received + 2  # the refused one reached no producer
+    finally:
+        sim.sim_release()
+        for t in threads:
+            t.join(30)
+    want = qwen3_tokenizer.decode(ids)
+    assert len(results) == 2
+    for status, data in results:
+        assert status == 200 and text_of(events_of(data)) == want and data.rstrip().endswith(b"data: [DONE]")
+    sim.sim_config()
+    assert wait_for(lambda: http_post(base + "/v1/chat/completions", chat(stream=False), timeout=30)[0] == 200,
+                    "a new connection served once the streams are done")

@@ -246,3 +246,36 @@ def test_hosted_tools_beside_functions_are_left_to_vllm(agents, qwen3_tokenizer,
     rendered = asyncio.run(coupled.state.serving_render.render_responses_request(
         ResponsesRequest.model_validate({"model": "qwen3", "input": QUESTION, "tools": tools})))
     assert agents.sim_requests()[-1]["token_ids"] == list(rendered.token_ids)
+
+
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch to the files."}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codex_grammar_custom_tools_get_vllms_400_and_text_ones_are_served(agents, qwen3_tokenizer, stream):
+    """Codex with an OpenAI model catalog sends ``apply_patch`` as a custom tool with a Lark grammar:
+    vLLM 0.33's own request model refuses it, and the client gets that 400 (the oracle: vLLM's
+    ``ResponsesRequest`` in process) with nothing sent to a producer. A free-form text custom tool
+    (Codex's default tools, too) is served."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    grammar = {**APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'}}
+    body = {"model": "qwen3", "input": "fix the bug", "tools": [grammar], "stream": stream}
+    with pytest.raises(Exception) as vllm_says:
+        ResponsesRequest.model_validate(body)
+    before = agents.sim_received()
+    r = httpx.post(agents.base_url + "/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    want = create_error_response(vllm_says.value).error
+    assert (error["message"], error["param"], error["code"]) == (want.message, "tools", 400), (error, want)
+    assert "grammar format are not supported" in error["message"]
+    assert agents.sim_received() == before
+
+    agents.script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "<think>\nA patch.\n</think>\n\nDone.") + [IM_END]})
+    text = {**APPLY_PATCH, "format": {"type": "text"}}
+    response = sdk(agents).responses.create(model="qwen3", input="fix the bug", tools=[text])
+    assert response.status == "completed" and response.output_text.strip() == "Done.", response
+    assert agents.sim_received() == before + 1

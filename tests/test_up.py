@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -143,10 +145,10 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
     port = free_port()
     LOGS.mkdir(parents=True, exist_ok=True)
     log = open(LOGS / f"up-replicas-{os.getpid()}.log", "w+")
+    tmp = tempfile.mkdtemp(prefix="up-tmp-")  # up's own temp directory: nothing may remain in it
     up = subprocess.Popen(
-        [str(BIN / "derender"), "up", "--port", str(port), "--replicas", "2", "--routing", "prefix", "--workers", "1",
-         "--sim-arg=--prefix-cache-blocks=1000"],
-        stdout=subprocess.PIPE, stderr=log, text=True,
+        [str(BIN / "derender"), "up", "--port", str(port), "--replicas", "2", "--routing", "prefix", "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "TMPDIR": tmp},
     )
     try:
         ready = up.stdout.readline()
@@ -156,13 +158,28 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
         assert len(ports) == 2, [c.cmdline() for c in sims]
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hello there, replica."}]
+        cached = []
         for _ in range(3):
-            answer = client.chat.completions.create(model="qwen3", messages=messages).choices[0].message.content
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
-        received = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats").read())["received"] for p in ports]
-        assert sorted(received) == [0, 3], received
+            r = client.chat.completions.create(model="qwen3", messages=messages)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+        stats = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats").read()) for p in ports]
+        assert sorted(s["received"] for s in stats) == [0, 3], stats
+        # With several replicas the simulated fleet models vLLM's prefix cache and reports its hits,
+        # and the client sees them: the later turns find the earlier ones cached.
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] >= cached[1], cached
+        assert sum(s["cached_prompt_tokens"] for s in stats) == sum(cached)
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
+        assert not [f for f in os.listdir(tmp) if f.startswith("derender")], os.listdir(tmp)
+        log.seek(0)
+        said = log.read()
+        # An operator's start-up log: no aiohttp banner for the simulators' internal ports, no vLLM
+        # kernel lines, no Envoy warning about an unlimited listener (the overload manager sets one).
+        for noise in ("Running on http", "Press CTRL+C", "IR op priority", "SSM cache type", "no configured limit"):
+            assert noise not in said, (noise, said[-3000:])
+        assert said.count("derender.sim: simulator (echo mode, prefix cache of 16384 blocks)") == 2, said[-3000:]
     finally:
         if up.poll() is None:
             up.kill()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -305,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--responses-store", default=None, metavar="URL", help="the filter's --responses-store (Redis URL)")
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.add_argument("--replicas", type=int, default=1,
-                    help="simulated producer replicas in one Envoy cluster (without --producer; default 1)")
+                    help="simulated producer replicas in one Envoy cluster (without --producer; default 1); with "
+                    "several, each models vLLM's prefix cache and reports its hits (cached_tokens)")
+    up.add_argument("--max-connections", type=int, default=10000,
+                    help="client connections Envoy accepts at once; past it a new one is closed (default 10000)")
     add_routing_arguments(up)
     up.set_defaults(func=cmd_up)
 

@@ -34,6 +34,7 @@ import asyncio
 import collections
 import hashlib
 import json
+import logging
 import math
 import random
 import re
@@ -173,7 +174,7 @@ class _Generation:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     fault: str | None = None  # the knobs when the request came in
     fault_after: int = 0
-    hold_after: int | None = None
+    hold_after: int | str | None = None  # N events, or "end": after the last, before [DONE]
     released: asyncio.Event = field(default_factory=asyncio.Event)
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
@@ -284,7 +285,7 @@ class Simulator:
                   finish_only_tail: bool | None = None, error_after: int | None = None,
                   http_error: int | None = None, split_writes: int | None = None,
                   fault: str | None = None, fault_after: int | None = None,
-                  hold_after: int | None = None) -> None:
+                  hold_after: int | str | None = None) -> None:
         """Set the knobs for the requests that follow (also POST /sim/config).
 
         ``error_after``, ``http_error``, ``fault`` (at event ``fault_after``, see
@@ -293,6 +294,8 @@ class Simulator:
         that many pieces, so events cross TCP writes. ``hold_after`` N: a request
         sends N events, then waits, its connection open, until POST /sim/release
         (or an abort, or its client leaving); /sim/stats lists it under ``held``.
+        ``hold_after`` "end": a streaming request sends every event (its usage too) and
+        waits the same way before ``[DONE]`` and the end of its body.
         """
         if mode is not None:
             self.mode = mode
@@ -310,9 +313,9 @@ class Simulator:
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fault must be one of {', '.join(FAULTS)}")
         self.fault, self.fault_after = fault, fault_after or 0
-        if hold_after is not None and int(hold_after) < 0:
-            raise ValueError("hold_after must be >= 0")
-        self.hold_after = None if hold_after is None else int(hold_after)
+        if hold_after is not None and hold_after != "end" and int(hold_after) < 0:
+            raise ValueError("hold_after must be >= 0 or 'end'")
+        self.hold_after = None if hold_after is None else hold_after if hold_after == "end" else int(hold_after)
         if tokens_per_event is not None:
             self.seed = None
             if isinstance(tokens_per_event, str) and tokens_per_event.startswith("random:"):
@@ -649,6 +652,10 @@ class Simulator:
                 await self._stream_events(gen, body, send)
             except RequestError as e:  # vLLM: json.dumps(ErrorResponse.model_dump())
                 await send(json.dumps(e.body).encode())
+            if gen.hold_after == "end":
+                await self._hold(gen)
+                if gen.closed():
+                    raise _Disconnected
             await send(b"[DONE]")
             await response.write_eof()
         except _Disconnected:
@@ -789,6 +796,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag")
 
 
+async def _announce(args: argparse.Namespace) -> None:
+    cache = f", prefix cache of {args.prefix_cache_blocks} blocks" if args.prefix_cache_blocks else ""
+    logging.getLogger("derender.sim").info("simulator (%s mode%s) on http://%s:%d", args.mode, cache, args.host, args.port)
+
+
 def main(args: argparse.Namespace) -> int:
     tpe = str(args.tokens_per_event)
     app = build_app(args.model, args.mode, args.script, int(tpe) if tpe.isdigit() else tpe,
@@ -799,8 +811,10 @@ def main(args: argparse.Namespace) -> int:
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
+    # One line in the log's own format, in place of aiohttp's banner ("Running on ... Press CTRL+C").
+    app.on_startup.append(lambda _: _announce(args))
     web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop, backlog=4096,
-                shutdown_timeout=1.0)
+                shutdown_timeout=1.0, print=None)
     return 0
 
 

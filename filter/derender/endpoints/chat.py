@@ -65,6 +65,7 @@ class ChatExchange:
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
         self._asked_model: str | None = None  # a refused request's "model", for its log line
+        self._asked_stream = False  # and whether it asked to stream
 
     @staticmethod
     def completion_texts(sent: bytes, stream: bool) -> list[str]:
@@ -86,12 +87,12 @@ class ChatExchange:
             self._render_time = time.monotonic() - started
         except HTTPError as exc:
             self.client_status = exc.status
-            self._asked_model = model_named(body)
+            self._asked_model, self._asked_stream = asked(body)
             raise
         except Exception as exc:  # vLLM raises some validation errors (e.g. tool_choice) past pydantic
             error = from_exception(exc)
             self.client_status = error.status
-            self._asked_model = model_named(body)
+            self._asked_model, self._asked_stream = asked(body)
             raise error from None
         return Rewrite(
             body=self.rendered.body,
@@ -206,6 +207,7 @@ class ChatExchange:
                 self._abort("stop string")
             if collected.final is not None:
                 out = await self.full_response(self.model, self.rendered, collected.final)
+                collected.whole = True
             elif not end:
                 return b""
             else:
@@ -290,7 +292,13 @@ class ChatExchange:
         return out, None
 
     def close(self, complete: bool) -> None:
-        """The exchange is over; ``complete`` is False if the client or Envoy cut it."""
+        """The exchange is over; ``complete`` is False if the client or Envoy cut it.
+
+        A client that leaves once the stream's last event is out (chat's ``[DONE]``, Messages'
+        ``message_stop``, Responses' ``response.completed``), before the producer's body has
+        ended, got everything: that exchange is complete, and its producer request is done.
+        """
+        complete = complete or (self.stream is not None and self.stream.whole)
         if self._watch is not None:
             self._watch.stop()
         if self._ready is not None:  # no producer answer came
@@ -330,7 +338,7 @@ class ChatExchange:
             error=self.error,
             complete=complete,
             client_status=self.client_status,
-            stream=bool(rendered and rendered.stream),
+            stream=bool(rendered.stream) if rendered else self._asked_stream,
             prompt_tokens=len(rendered.prompt_token_ids) if rendered else None,
             completion_tokens=self.stream.completion_tokens if self.stream is not None else self._completion_tokens,
         )
@@ -345,13 +353,15 @@ class ChatExchange:
         self.producer.abort_soon(request_id, why, self._upstream)
 
 
-def model_named(body: bytes) -> str | None:
-    """The ``model`` a request body names, if it is a JSON object naming one (for logs)."""
+def asked(body: bytes) -> tuple[str | None, bool]:
+    """The ``model`` a request body names and whether it asks to stream, as far as it is a JSON
+    object saying so (for the log line of a request that was refused)."""
     try:
-        model = json.loads(body).get("model")
+        parsed = json.loads(body)
+        model, stream = parsed.get("model"), parsed.get("stream")
     except (ValueError, AttributeError, RecursionError):
-        return None
-    return model[:200] if isinstance(model, str) else None
+        return None, False
+    return (model[:200] if isinstance(model, str) else None), stream is True
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .chat import ENVOY_GAVE_UP, producer_error, record
+from .chat import ENVOY_GAVE_UP, asked, producer_error, record
 from ..extproc.actions import ResponseStart, Rewrite
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..routing.producer import GENERATE_PATH, Producer
@@ -178,6 +178,7 @@ class TierExchange:
         self._started = time.monotonic()
         self._first_token: float | None = None
         self._aborted = False
+        self._asked_stream = False  # what a refused request asked for, for its log line
         self._answered = False  # a buffered answer reached the filter whole
         self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self._watch: StallWatch | None = None  # streaming
@@ -196,6 +197,7 @@ class TierExchange:
             return await self._render(body)
         except HTTPError as exc:
             self.client_status = exc.status
+            self._asked_stream = asked(body)[1]
             raise
 
     async def _render(self, body: bytes) -> Rewrite:
@@ -426,6 +428,9 @@ class TierExchange:
         if self._watch is not None:
             self._watch.stop()
         stream = self.stream
+        # [DONE] went out on a whole answer: a client leaving now got everything (see ChatExchange.close).
+        complete = complete or (stream is not None and stream.finished and len(stream.done) >= stream.n
+                                and self.error is None)
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
         elif stream is None and not self._answered and not complete:  # sent, never answered
@@ -446,7 +451,7 @@ class TierExchange:
             error=self.error,
             complete=complete,
             client_status=self.client_status,
-            stream=bool(self.generate.get("stream")),
+            stream=bool(self.generate.get("stream")) if self.generate else self._asked_stream,
             prompt_tokens=len(self.prompt_token_ids) if self.generate else None,
             completion_tokens=stream.completion_tokens if stream is not None else self._completion_tokens,
         )

@@ -346,6 +346,12 @@ class ResponsesStream(ChatStream):
     def _take_early(self) -> bytes:
         return b""
 
+    @property
+    def whole(self) -> bool:  # type: ignore[override]
+        """vLLM's task wrote its last event (``response.completed``, ...) and it went out."""
+        session = self.session
+        return self.finished and session.done and session.error is None and not session.frames
+
     def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
         """The engine's failure, as vLLM's generator meets it: its error event ends the stream."""
         if self.finished and self.session.done:

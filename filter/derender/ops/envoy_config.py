@@ -18,6 +18,7 @@ DEFAULTS = {
     "IDLE_TIMEOUT": "300s",
     "MESSAGE_TIMEOUT": "10s",
     "BODY_LIMIT_BYTES": str(16 << 20),
+    "MAX_CONNECTIONS": "10000",  # client connections at once (Envoy's global downstream limit)
 }
 
 

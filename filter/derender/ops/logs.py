@@ -60,6 +60,16 @@ KERNEL_NOISE = (
     "requires Triton",
     "Failed to import from vllm._C",
 )
+# vLLM's start-up lines that mean nothing for a filter: kernel choices (IR op priority, the SSM
+# cache type of a mamba backend it never runs), what derender.model says again in its one line
+# (architecture, max model len), and advice naming a flag the filter does not take.
+START_NOISE = (
+    "Final IR op priority",
+    "Reset SSM cache type",
+    "Resolved architecture:",
+    "Using max model len",
+    "Detected the chat template content format",
+)
 
 
 class _NoKernelNoise(logging.Filter):
@@ -67,7 +77,7 @@ class _NoKernelNoise(logging.Filter):
         if not record.name.startswith("vllm"):
             return True
         message = record.getMessage()
-        return not any(noise in message for noise in KERNEL_NOISE)
+        return not any(noise in message for noise in KERNEL_NOISE + START_NOISE)
 
 
 def setup(level: str, fmt: str = "text", log_prompts: bool = False) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -90,6 +91,22 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+# The simulated fleet's prefix cache, in 16-token blocks (~262k tokens a replica), when it models one.
+SIM_CACHE_BLOCKS = 16384
+
+
+def simulated_cache(args: argparse.Namespace) -> list[str]:
+    """Simulator flags so that a simulated fleet shows what prefix routing is for: with several
+    replicas, or ``--enable-prompt-tokens-details``, each models vLLM's prefix cache and reports
+    its hits (``cached_tokens``), and the filter passes them on. ``--sim-arg`` still wins."""
+    if args.replicas <= 1 and not args.enable_prompt_tokens_details:
+        return []
+    args.enable_prompt_tokens_details = True
+    given = " ".join(args.sim_arg)
+    flags = [] if "--prefix-cache-blocks" in given else ["--prefix-cache-blocks", str(SIM_CACHE_BLOCKS)]
+    return flags + ([] if "--enable-prompt-tokens-details" in given else ["--enable-prompt-tokens-details"])
+
+
 def run(args: argparse.Namespace) -> int:
     from . import assets
 
@@ -107,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         args.served_model_name = args.served_model_name or ["qwen3"]
     derender = [sys.executable, "-m", "derender.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     stack = Stack()
+    folder: str | None = None
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, stack.on_signal)
@@ -114,11 +132,12 @@ def run(args: argparse.Namespace) -> int:
         producer = args.producer or (entries[0].producer_url if entries else None)
         urls = [producer] if producer else []
         if producer is None:  # the simulator: one per replica, in one producer cluster
+            sim_args = [*simulated_cache(args), *args.sim_arg]
             sims = []
             for i in range(max(1, args.replicas)):
                 port = free_port()
                 name = "simulator" if args.replicas <= 1 else f"simulator-{i + 1}"
-                sims.append((port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *args.sim_arg])))
+                sims.append((port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args])))
             for port, sim in sims:
                 sim.wait(lambda port=port: http_ok(f"http://127.0.0.1:{port}/health"), 60)
             urls = [f"http://127.0.0.1:{port}" for port, _ in sims]
@@ -152,8 +171,10 @@ def run(args: argparse.Namespace) -> int:
             FILTER_PORT=filter_port,
             PRODUCER_HOST=producer_host,
             PRODUCER_PORT=producer_port,
+            MAX_CONNECTIONS=args.max_connections,
         )
-        config_file = Path(tempfile.mkdtemp(prefix="derender-")) / "envoy.yaml"
+        folder = tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
+        config_file = Path(folder) / "envoy.yaml"
         config_file.write_text(config)
         envoy = stack.start(
             "envoy",
@@ -175,3 +196,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         stack.stop()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -35,6 +35,7 @@ class Collected:
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
         self.finished = False  # the client's answer was produced (the final JSON or an error)
+        self.whole = False  # that answer was the final JSON
         self._sse = SSEDecoder()
 
     def feed(self, chunk: bytes, end: bool) -> bool:

@@ -57,6 +57,7 @@ class ChatStream:
         self.producer_request_id: str | None = None
         self.completion_tokens = 0
         self.finished = False  # [DONE] was produced
+        self.whole = False  # vLLM's generator ended on the producer's last output: the answer is all out
         self._queue: deque[Any] = deque()
         self._ended = False
         self._step: Any = None
@@ -199,6 +200,7 @@ class ChatStream:
             except StopAsyncIteration:
                 self._step = None
                 self.finished = True
+                self.whole = self._ended and self._failure is None
                 break
             if awaited is not _WAIT:
                 _shut(self._step)
