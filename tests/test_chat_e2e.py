@@ -355,3 +355,31 @@ def test_validation_errors_are_vllms_own(sim, data):
     expected = TestClient(app).post("/v1/chat/completions", content=data, headers={"content-type": "application/json"})
     got = _post_raw(sim, data)
     assert (got.status_code, got.json()) == (expected.status_code, expected.json())
+
+
+def test_stream_interval_asks_the_producer_for_fewer_events(qwen3_dir, script, qwen3_tokenizer):
+    """`--stream-interval 4`, as `vllm serve --stream-interval 4`: every streaming producer request
+    asks for an event every 4 tokens (the simulator groups them as vLLM's output processor does);
+    the client gets the same text in fewer, larger chunks. A non-streaming request asks nothing."""
+    from stack import Stack
+
+    s = Stack(qwen3_dir, ["--served-model-name", "qwen3", "--max-model-len", "4096", "--stream-interval", "4"],
+              ["--mode", "script", "--script", str(script.path)]).start()
+    try:
+        ids = encode(qwen3_tokenizer, TEXT)
+        script.set({"index": 0, "token_ids": ids + [IM_END]})
+        body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", s.base_url + "/chat/completions", json=body, timeout=60) as r:
+            events = sse_events(r)
+        assert s.sim_requests()[-1]["sampling_params"]["stream_interval"] == 4
+        content = [e["choices"][0]["delta"].get("content") for e in events if e != "[DONE]" and e["choices"]]
+        assert "".join(c or "" for c in content) == qwen3_tokenizer.decode(ids)
+        # vLLM's grouping: the first token at once, then every 4 (the last event holds the rest).
+        expected_events = 2 + (len(ids) + 1 - 1 + 3) // 4
+        assert len([c for c in content if c is not None]) < len(ids) and events[-1] == "[DONE]"
+        assert len(events) <= expected_events + 1, (len(events), expected_events)
+        r = httpx.post(s.base_url + "/chat/completions", json={**body, "stream": False}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == qwen3_tokenizer.decode(ids)
+        assert "stream_interval" not in s.sim_requests()[-1]["sampling_params"]
+    finally:
+        s.stop()

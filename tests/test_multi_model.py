@@ -320,3 +320,15 @@ def test_serve_refuses_model_flags_with_a_config(tmp_path):
     r = subprocess.run([str(BIN / "derender"), "serve", "--config", str(tmp_path / "x.yaml"), "--model", "m"],
                        capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2 and "--config lists the models: drop --model" in r.stderr
+
+
+def test_config_stream_interval_per_model(tmp_path, qwen3_dir):
+    """``stream_interval`` per model, as ``--stream-interval``: given to vLLM's own arguments (its
+    bounds), refused in the file when it is not a positive integer."""
+    producer = {"cluster": "c", "url": "http://p"}
+    [entry] = config.load(_write(tmp_path, [{"name": "q", "model": qwen3_dir, "producer": producer, "stream_interval": 4}]))
+    assert entry.spec.stream_interval == 4 and entry.spec.vllm_argv()[-2:] == ["--stream-interval", "4"]
+    for bad in (0, "4", True):
+        with pytest.raises(config.ConfigError) as info:
+            config.load(_write(tmp_path, [{"name": "q", "model": qwen3_dir, "producer": producer, "stream_interval": bad}]))
+        assert "stream_interval must be a positive integer" in str(info.value)

@@ -536,3 +536,48 @@ def test_cli_arguments():
     assert (args.host, args.port, args.mode, args.delay) == ("127.0.0.1", 8100, "echo", 0.0)
     assert args.tokens_per_event == "random:3" and args.finish_only_tail
     assert args.error_after == 4 and args.http_error is None
+
+
+def output_processor_events(steps: list[int], interval: int) -> list[int]:
+    """vLLM's own OutputProcessor with SamplingParams.stream_interval: tokens per event it sends
+    for engine steps of these sizes (the oracle for the simulator's stream_interval)."""
+    import time
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+
+    processor = OutputProcessor(None, log_stats=False)
+    params = SamplingParams(max_tokens=1000, output_kind=RequestOutputKind.DELTA, stream_interval=interval,
+                            detokenize=False)
+    request = EngineCoreRequest("r", PROMPT, None, params, None, time.time(), None, None, None)
+    request.external_req_id = "r"
+    queue = RequestOutputCollector(params.output_kind, "r")
+    processor.add_request(request, None, None, 0, queue)
+    events, token = [], 100
+    for i, n in enumerate(steps):
+        finish = FinishReason.STOP if i == len(steps) - 1 else None
+        processor.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=list(range(token, token + n)),
+                                                     finish_reason=finish)])
+        token += n
+        out = queue.get_nowait()
+        if out is not None:
+            events.append(len(out.outputs[0].token_ids))
+    return events
+
+
+@pytest.mark.parametrize("tokens_per_event", [1, "random:7", "random:11"])
+@pytest.mark.parametrize("interval", [2, 3, 4, 8])
+def test_stream_interval_sends_the_events_vllms_output_processor_sends(vllm, interval, tokens_per_event):
+    """sampling_params.stream_interval N (the filter's --stream-interval): the engine steps the
+    simulator would send one by one are grouped as vLLM's OutputProcessor groups them."""
+    async def go(client, sp):
+        return await stream(client, body(stream=True, sampling_params=sp))
+    _, events = run(sim.build_app(QWEN, tokens_per_event=tokens_per_event), lambda c: go(c, {}))
+    steps = [len(c.choices[0].token_ids) for c in check_stream_bytes(vllm, events)]
+    _, events = run(sim.build_app(QWEN, tokens_per_event=tokens_per_event), lambda c: go(c, {"stream_interval": interval}))
+    chunks = check_stream_bytes(vllm, events)
+    assert [len(c.choices[0].token_ids) for c in chunks] == output_processor_events(steps, interval)
+    assert tokens_by_choice(chunks) == {0: ANSWER}
+    if tokens_per_event == 1:  # one token per step: fewer events than steps
+        assert len(chunks) < len(steps)

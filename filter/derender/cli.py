@@ -27,6 +27,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage.prompt_tokens_details.cached_tokens (Anthropic: cache_read_input_tokens) from the "
                         "producers' own usage, as vllm serve with this flag (run the producers with it too)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="as vllm serve --stream-interval: streaming producer requests ask for an event every N "
+                        "tokens (fewer, larger events: less CPU per token, text in steps of N; default 1)")
 
 
 ROUTING_HELP = (
@@ -63,6 +66,7 @@ def model_spec(args: argparse.Namespace):
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        stream_interval=args.stream_interval,
     )
 
 
@@ -98,6 +102,7 @@ def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
     """``--config`` replaces the model flags; with ``--render-url`` the render tier loads the model."""
     if getattr(args, "config", None):
         given = [flag for flag in MODEL_FLAGS if getattr(args, flag, None)]
+        given += ["stream_interval"] if getattr(args, "stream_interval", 1) != 1 else []
         if given:
             parser.error(f"--config lists the models: drop --{given[0].replace('_', '-')}")
     elif args.command == "serve" and args.render_url and args.model:

@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import collections
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -160,6 +161,7 @@ class _Choice:
     stop_reason: int | str | None
     sizes: list[int]  # tokens per event, summing to len(tokens)
     logprobs: list[dict[int, tuple[float, int]]] | None  # per token, in engine order
+    steps: list[int] | None = None  # engine steps per event (stream_interval); None: one each
     sent: int = 0
     done: bool = False
 
@@ -181,6 +183,22 @@ class _Generation:
     def closed(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
+
+
+def _stream_interval(sizes: list[int], interval: int) -> list[int] | None:
+    """Engine steps (of these token counts) per event that vLLM's output processor sends with
+    ``stream_interval`` N: the first token's step at once, then whenever N tokens have gathered
+    since the last event, and the last step (``output_processor.py``); None for N = 1. An event
+    waits for each of its steps (``delay`` per step), so a client sees a GPU's pacing."""
+    if interval <= 1:
+        return None
+    steps, gathered, count = [], 0, 0
+    for i, size in enumerate(sizes):
+        gathered, count = gathered + size, count + 1
+        if not steps or gathered >= interval or i == len(sizes) - 1:
+            steps.append(count)
+            gathered = count = 0
+    return steps
 
 
 class _Disconnected(Exception):
@@ -396,11 +414,14 @@ class Simulator:
             while left > 0:
                 sizes.append(min(rng.randint(1, 4) if rng else self.tokens_per_event, left))
                 left -= sizes[-1]
+            steps = _stream_interval(sizes, sp.get("stream_interval") or 1)
+            if steps is not None:
+                sizes = [sum(sizes[a:b]) for a, b in zip([0, *itertools.accumulate(steps)], itertools.accumulate(steps))]
             given = line.get("logprobs") or []
             logprobs = None if k is None else [
                 self._logprobs(t, p, index, k, given[p] if p < len(given) else None)
                 for p, t in enumerate(tokens)]
-            choices.append(_Choice(index, tokens, finish, stop_reason, sizes, logprobs))
+            choices.append(_Choice(index, tokens, finish, stop_reason, sizes, logprobs, steps))
         return choices
 
     # ---- engine loop ---------------------------------------------------------------
@@ -410,20 +431,21 @@ class Simulator:
         per_choice = []
         for c in gen.choices:
             ends = [sum(c.sizes[: i + 1]) for i in range(len(c.sizes))]
-            events = [(c, end - size, end, False) for size, end in zip(c.sizes, ends)]
+            waits = c.steps or [1] * len(c.sizes)  # engine steps before each event
+            events = [(c, end - size, end, False, w) for size, end, w in zip(c.sizes, ends, waits)]
             if self.finish_only_tail or not events:
-                events.append((c, len(c.tokens), len(c.tokens), True))
+                events.append((c, len(c.tokens), len(c.tokens), True, 1))
             else:
-                events[-1] = (*events[-1][:3], True)
+                events[-1] = (*events[-1][:3], True, events[-1][4])
             per_choice.append(events)
         steps = max(len(events) for events in per_choice)
         schedule = [events[t] for t in range(steps) for events in per_choice if t < len(events)]
-        for count, (c, start, end, final) in enumerate(schedule):
+        for count, (c, start, end, final, wait) in enumerate(schedule):
             if count == gen.hold_after:
                 await self._hold(gen)
             if self.delay > 0:
                 try:
-                    await asyncio.wait_for(gen.aborted.wait(), self.delay)
+                    await asyncio.wait_for(gen.aborted.wait(), self.delay * wait)
                 except asyncio.TimeoutError:
                     pass
             else:

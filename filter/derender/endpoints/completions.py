@@ -88,7 +88,7 @@ async def render_completion(model: Model, raw: bytes, x_request_id: str | None) 
         request_id=generate.request_id,
         prompt_token_ids=list(generate.token_ids),
         params=generate.sampling_params,
-        body=producer_body(generate, usage=model.prompt_tokens_details),
+        body=producer_body(generate, usage=model.prompt_tokens_details, stream_interval=model.stream_interval),
         chat_template_kwargs={},
         conversation=[],
         engine_input=engine_input,

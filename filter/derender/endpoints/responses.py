@@ -270,6 +270,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
             priority=request.priority,
         ),
         usage=model.prompt_tokens_details,
+        stream_interval=model.stream_interval,
     )
     return RenderedResponse(
         request=request,

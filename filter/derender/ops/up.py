@@ -88,6 +88,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--enable-auto-tool-choice")
     if args.enable_prompt_tokens_details:
         flags.append("--enable-prompt-tokens-details")
+    if getattr(args, "stream_interval", 1) != 1:
+        flags += ["--stream-interval", str(args.stream_interval)]
     return flags
 
 

@@ -51,6 +51,7 @@ _KEYS = {
     "render_url",
     "routing",
     "enable_prompt_tokens_details",
+    "stream_interval",
 }
 
 
@@ -133,6 +134,9 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
     kwargs = item.get("default_chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigError(f"{where}: default_chat_template_kwargs must be a mapping")
+    interval = item.get("stream_interval", 1)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        raise ConfigError(f"{where}: stream_interval must be a positive integer")
     max_model_len = item.get("max_model_len")
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
         raise ConfigError(f"{where}: max_model_len must be a positive integer")
@@ -146,6 +150,7 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
         enable_auto_tool_choice=bool(item.get("enable_auto_tool_choice", False)),
         default_chat_template_kwargs=json.dumps(kwargs) if kwargs is not None else None,
         enable_prompt_tokens_details=bool(item.get("enable_prompt_tokens_details", False)),
+        stream_interval=interval,
     )
 
 

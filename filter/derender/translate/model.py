@@ -38,6 +38,7 @@ class ModelSpec:
     enable_auto_tool_choice: bool = False
     default_chat_template_kwargs: str | None = None  # JSON, as vLLM takes it
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens from the producer
+    stream_interval: int = 1  # the producer sends a streaming event every N tokens (SamplingParams.stream_interval)
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model]
@@ -57,6 +58,8 @@ class ModelSpec:
             argv += ["--default-chat-template-kwargs", self.default_chat_template_kwargs]
         if self.enable_prompt_tokens_details:
             argv += ["--enable-prompt-tokens-details"]
+        if self.stream_interval != 1:
+            argv += ["--stream-interval", str(self.stream_interval)]
         return argv
 
 
@@ -140,6 +143,8 @@ class Model:
         )
         # The producers' prefix-cache hits, passed on in every endpoint's usage (outputs.LateCount).
         self.prompt_tokens_details: bool = bool(args.enable_prompt_tokens_details)
+        # vllm serve --stream-interval: every streaming producer request asks for an event every N tokens.
+        self.stream_interval: int = args.stream_interval
         self.long_prompts = longprompt.install(self.renderer)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)

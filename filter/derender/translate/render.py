@@ -71,20 +71,23 @@ async def render_chat_request(model: Model, request: Any, x_request_id: str | No
         request_id=result.request_id,
         prompt_token_ids=list(result.token_ids),
         params=result.sampling_params,
-        body=producer_body(result, usage=model.prompt_tokens_details),
+        body=producer_body(result, usage=model.prompt_tokens_details, stream_interval=model.stream_interval),
         chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
         conversation=conversation,
     )
 
 
-def producer_body(generate_request: Any, usage: bool = False) -> bytes:
+def producer_body(generate_request: Any, usage: bool = False, stream_interval: int = 1) -> bytes:
     """The JSON vLLM's render endpoint would return, minus the stop strings.
 
     A non-streaming request with stop strings asks the producer for a stream:
     the filter has to see the tokens as they come to stop the producer at the
     stop string, as vLLM's engine stops itself (``collect``). ``usage``: a stream
     asks for the producer's final usage event, which carries its prefix-cache hits
-    (``--enable-prompt-tokens-details``).
+    (``--enable-prompt-tokens-details``). ``stream_interval`` > 1: a stream asks the producer for
+    an event every that many tokens (``SamplingParams.stream_interval``; vLLM's output processor
+    takes the larger of it and the producer's own ``--stream-interval``), as ``vllm serve
+    --stream-interval`` makes its own engine do.
     """
     params = generate_request.sampling_params
     if params.stop:
@@ -103,4 +106,6 @@ def producer_body(generate_request: Any, usage: bool = False) -> bytes:
     # producer fills a missing max_tokens from max_model_len: an explicit 16 (the
     # default) would be lost. The coupled server honours it, so send it always.
     body["sampling_params"]["max_tokens"] = params.max_tokens
+    if stream_interval > 1 and body.get("stream"):
+        body["sampling_params"]["stream_interval"] = stream_interval
     return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
