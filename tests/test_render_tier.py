@@ -112,7 +112,10 @@ class Stacks:
         self.procs.append(sim)
         serve = [*DERENDER, "serve", "--workers", "1", "--producer", self.sim_url]
         local = self._proc("filter", [*serve, "--model", qwen3_dir, *FLAGS, "--port", str(local_port)])
-        tier = self._proc("filter-tier", [*serve, "--render-url", self.recorder.url, "--port", str(tier_port)])
+        metrics_port = free_port()
+        self.tier_metrics = f"http://127.0.0.1:{metrics_port}/metrics"  # the tier filter's failures are counted
+        tier = self._proc("filter-tier", [*serve, "--render-url", self.recorder.url, "--port", str(tier_port),
+                                          "--metrics-port", str(metrics_port)])
         for proc, port in ((tier, tier_port), (local, local_port)):  # all of them load at once
             proc.wait(lambda port=port: tcp_open(port), 600)
         render.wait(lambda: http_ok(self.render_url + "/health"), 600)
@@ -526,3 +529,32 @@ def test_producer_stall_ends_the_tier_stream_with_an_error_event(stacks, answers
         if envoy is not None:
             envoy.stop()
         tier.stop()
+
+
+def _failures(metrics_url: str) -> dict[tuple[str, str], float]:
+    """derender_producer_errors_total and derender_parser_errors_total, by name and label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(metrics_url, timeout=10).text
+    return {(s.name, next(iter(s.labels.values()))): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in ("derender_producer_errors_total", "derender_parser_errors_total")}
+
+
+@pytest.mark.parametrize("knobs, counter, label, stream", [
+    ({"http_error": 500}, "derender_producer_errors_total", "status", True),
+    ({"http_error": 500}, "derender_producer_errors_total", "status", False),
+    ({"error_after": 2}, "derender_producer_errors_total", "error", True),
+    ({"fault": "truncated_json", "fault_after": 2}, "derender_parser_errors_total", "stream", True),
+], ids=["status-stream", "status", "error-event", "bad-event"])
+def test_render_tier_failures_are_counted_as_local_ones_are(stacks, answers, knobs, counter, label, stream):
+    """A producer failure in render-tier mode moves the same counter as in local mode."""
+    stacks.script.set({"index": 0, "token_ids": answers.encode("one two three four five six") + [151645]})
+    before = _failures(stacks.tier_metrics)
+    stacks.sim_config(**knobs)
+    try:
+        call(stacks.tier, "/v1/chat/completions",
+             {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+    finally:
+        stacks.sim_config()
+    wait_for(lambda: _failures(stacks.tier_metrics).get((counter, label), 0) == before.get((counter, label), 0) + 1,
+             f"{counter}{{{label}}} counted once")

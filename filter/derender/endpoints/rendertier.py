@@ -44,6 +44,7 @@ import orjson
 
 from .chat import ENVOY_GAVE_UP, asked, producer_error, record
 from ..extproc.actions import ResponseStart, Rewrite
+from ..ops import metrics
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..routing.producer import GENERATE_PATH, Producer
 from ..translate.sse import SSEDecoder
@@ -52,6 +53,19 @@ from ..translate.stall import StallWatch, message as stall_message
 log = logging.getLogger("derender.rendertier")
 
 DONE = b"data: [DONE]\n\n"
+
+# A failure's name in the log -> its counter and label: producer failures as in local mode
+# (derender_producer_errors_total), output the filter could not use or the render tier could not
+# turn into an answer as parser errors (derender_parser_errors_total).
+FAILURES = {
+    "producer_status": (metrics.producer_error, "status"),
+    "producer_error": (metrics.producer_error, "error"),
+    "producer_incomplete": (metrics.producer_error, "incomplete"),
+    "producer_stall": (metrics.producer_error, "stall"),
+    "producer_stream": (metrics.parser_error, "stream"),
+    "producer_response": (metrics.parser_error, "response"),
+    "render_tier": (metrics.parser_error, "render_tier"),
+}
 NO_ECHO = "echo is not available in render-tier mode: vLLM's derender endpoints do not echo the prompt."
 
 
@@ -262,6 +276,7 @@ class TierExchange:
             if end:
                 payloads += self._sse.close()
         except ValueError as exc:
+            self._failed("producer_stream")
             return self._fail(502, f"invalid producer stream: {exc}")
         for payload in payloads:
             out.append(await self._event(payload))
@@ -283,6 +298,7 @@ class TierExchange:
             if not isinstance(event, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
+            self._failed("producer_stream")
             return self._fail(502, f"invalid producer event: {exc}")
         if "error" in event:
             error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
@@ -414,7 +430,11 @@ class TierExchange:
         return dumps(result), None
 
     def _failed(self, error: str) -> None:
-        self.error = self.error or error
+        """Count the exchange's first failure, under the same counters as the local exchanges."""
+        if self.error is None:
+            self.error = error
+            count, kind = FAILURES[error]
+            count(kind)
 
     def _stalled(self) -> None:
         """The producer went quiet: abort its request; its last words end the client's stream."""
