@@ -26,7 +26,7 @@ from typing import Any
 from .chat import ChatExchange
 from ..translate.stream import ChatStream
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
-from ..translate.model import Model, _EngineStandIn
+from ..translate.model import Model
 from ..translate.render import Rendered, producer_body
 
 ONE_PROMPT = (
@@ -51,16 +51,7 @@ def serving_completion(model: Model) -> Any:
     """vLLM's ``OpenAIServingCompletion`` for ``model``, with the chat server's stand-in engine."""
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    args = model.args
-    return OpenAIServingCompletion(
-        _EngineStandIn(model.vllm_config, model.renderer),  # type: ignore[arg-type]
-        model.registry,  # type: ignore[arg-type]
-        online_renderer=model.online_renderer,
-        request_logger=None,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
-    )
+    return model.vllm_serving(OpenAIServingCompletion)
 
 
 async def render_completion(model: Model, raw: bytes, x_request_id: str | None) -> RenderedCompletion:

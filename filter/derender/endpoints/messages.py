@@ -33,7 +33,7 @@ from typing import Any
 from .chat import ChatExchange
 from ..translate.stream import ChatStream, chat_response
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
-from ..translate.model import Model, _EngineStandIn
+from ..translate.model import Model
 from ..translate.render import Rendered, render_chat_request
 from ..extproc.actions import Reply, Rewrite
 from ..ops import logs
@@ -59,24 +59,7 @@ def serving_messages(model: Model) -> Any:
     """vLLM's ``AnthropicServingMessages`` for ``model``, built as ``vllm serve`` builds it."""
     from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 
-    args = model.args
-    return AnthropicServingMessages(
-        _EngineStandIn(model.vllm_config, model.renderer),  # type: ignore[arg-type]
-        model.registry,  # type: ignore[arg-type]
-        "assistant",
-        online_renderer=model.online_renderer,
-        request_logger=None,
-        chat_template=model.online_renderer.chat_template,
-        chat_template_content_format=args.chat_template_content_format,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=model.reasoning_parser,
-        enable_auto_tools=args.enable_auto_tool_choice,
-        tool_parser=args.tool_call_parser,
-        tool_strict_level=args.tool_strict_level,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
-        default_chat_template_kwargs=model.online_renderer.default_chat_template_kwargs,
-    )
+    return model.vllm_serving(AnthropicServingMessages)
 
 
 def _validated(validate, raw: bytes) -> Any:

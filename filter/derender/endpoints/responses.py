@@ -201,23 +201,7 @@ def serving_responses(model: Model) -> Any:
     """vLLM's ``OpenAIServingResponses`` for ``model``, built as ``vllm serve`` builds it."""
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
-    args = model.args
-    serving = OpenAIServingResponses(
-        _ProducerEngine(model.vllm_config, model.renderer),  # type: ignore[arg-type]
-        model.registry,  # type: ignore[arg-type]
-        model.online_renderer,
-        request_logger=None,
-        chat_template=model.online_renderer.chat_template,
-        chat_template_content_format=args.chat_template_content_format,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        reasoning_parser=model.reasoning_parser,
-        enable_auto_tools=args.enable_auto_tool_choice,
-        tool_parser=args.tool_call_parser,
-        tool_strict_level=args.tool_strict_level,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        enable_force_include_usage=args.enable_force_include_usage,
-        default_chat_template_kwargs=model.online_renderer.default_chat_template_kwargs,
-    )
+    serving = model.vllm_serving(OpenAIServingResponses, _ProducerEngine(model.vllm_config, model.renderer))
     if (shared := store.current()) is not None:
         shared.install(serving)
     return serving

@@ -11,6 +11,7 @@ Everything here is read-only once built and shared by all streams of a process.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 from dataclasses import dataclass
@@ -61,6 +62,30 @@ class ModelSpec:
         if self.stream_interval != 1:
             argv += ["--stream-interval", str(self.stream_interval)]
         return argv
+
+
+def _serving_options(model: Model) -> dict[str, Any]:
+    """What ``vllm serve`` gives its serving objects from its arguments (``init_app_state``, the
+    generate router), for every option the filter serves with; each class takes the ones it names."""
+    args, renderer = model.args, model.online_renderer
+    return {
+        "response_role": args.response_role,
+        "online_renderer": renderer,
+        "request_logger": None,  # the filter writes one line per request itself (never the text)
+        "chat_template": renderer.chat_template,
+        "chat_template_content_format": args.chat_template_content_format,
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+        "reasoning_parser": model.reasoning_parser,
+        "enable_auto_tools": args.enable_auto_tool_choice,
+        "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+        "tool_parser": args.tool_call_parser,
+        "tool_strict_level": args.tool_strict_level,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "enable_force_include_usage": args.enable_force_include_usage,
+        "default_chat_template_kwargs": renderer.default_chat_template_kwargs,
+        "disabled_thinking_effort": args.anthropic_disabled_thinking_effort,
+    }
 
 
 class _EngineStandIn:
@@ -124,23 +149,7 @@ class Model:
         self.use_harmony = model_config.hf_config.model_type == "gpt_oss"
         # The reasoning parser's name, as ``vllm serve`` resolves it (every serving object takes it).
         self.reasoning_parser: str = args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or ""
-        self.serving_chat = OpenAIServingChat(
-            _EngineStandIn(vllm_config, self.renderer),  # type: ignore[arg-type]
-            self.registry,  # type: ignore[arg-type]
-            "assistant",
-            online_renderer=self.online_renderer,
-            request_logger=None,
-            chat_template=self.online_renderer.chat_template,
-            chat_template_content_format=args.chat_template_content_format,
-            trust_request_chat_template=args.trust_request_chat_template,
-            reasoning_parser=self.reasoning_parser,
-            enable_auto_tools=args.enable_auto_tool_choice,
-            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-            tool_parser=args.tool_call_parser,
-            tool_strict_level=args.tool_strict_level,
-            default_chat_template_kwargs=self.online_renderer.default_chat_template_kwargs,
-            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        )
+        self.serving_chat = self.vllm_serving(OpenAIServingChat)
         # The producers' prefix-cache hits, passed on in every endpoint's usage (outputs.LateCount).
         self.prompt_tokens_details: bool = bool(args.enable_prompt_tokens_details)
         # vllm serve --stream-interval: every streaming producer request asks for an event every N tokens.
@@ -148,6 +157,15 @@ class Model:
         self.long_prompts = longprompt.install(self.renderer)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
+
+    def vllm_serving(self, cls: type, engine: Any = None) -> Any:
+        """A vLLM serving object (``OpenAIServingChat``, ``OpenAIServingCompletion``,
+        ``AnthropicServingMessages``, ``OpenAIServingResponses``) for this model, given the options
+        ``vllm serve`` gives it, on ``engine`` (default: a stand-in that generates nothing)."""
+        params = inspect.signature(cls.__init__).parameters
+        options = {k: v for k, v in _serving_options(self).items() if k in params}
+        engine = engine or _EngineStandIn(self.vllm_config, self.renderer)
+        return cls(engine, self.registry, **options)  # type: ignore[arg-type]
 
     def _warm_up(self) -> None:
         """Pay now (once, before workers fork) what vLLM computes on a first request.
