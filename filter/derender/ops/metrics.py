@@ -20,7 +20,6 @@ import logging
 import os
 import struct
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import (
@@ -249,7 +248,7 @@ def _header(headers: Any, name: str) -> str:
 class StreamObserver:
     """Watches one ext_proc stream from outside the servicer.
 
-    ``watch`` wraps the incoming messages, ``answered`` sees each reply: the
+    ``received`` sees each incoming message, ``answered`` each reply: the
     time between the two is what the filter added to that message. The route
     is the request's path; the status is the one the client got (an immediate
     reply, a ``:status`` the filter set, or the producer's).
@@ -263,15 +262,14 @@ class StreamObserver:
         self._received = time.perf_counter()
         ACTIVE_STREAMS.inc()
 
-    async def watch(self, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        async for message in messages:
-            self._kind = message.WhichOneof("request") or "unknown"
-            self._received = time.perf_counter()
-            if self._kind == "request_headers":
-                self.path = _header(message.request_headers, ":path").split("?", 1)[0]
-            elif self._kind == "response_headers":
-                self.status = int(_header(message.response_headers, ":status") or 0)
-            yield message
+    def received(self, message: Any) -> None:
+        """Envoy sent ``message``; the reply that ``answered`` sees next is to it."""
+        self._kind = message.WhichOneof("request") or "unknown"
+        self._received = time.perf_counter()
+        if self._kind == "request_headers":
+            self.path = _header(message.request_headers, ":path").split("?", 1)[0]
+        elif self._kind == "response_headers":
+            self.status = int(_header(message.response_headers, ":status") or 0)
 
     def answered(self, response: Any) -> None:
         elapsed = time.perf_counter() - self._received
