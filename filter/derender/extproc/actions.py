@@ -1,10 +1,11 @@
-"""What an exchange asks of the Envoy protocol: rewrite the request, change the response's start,
-or answer at once (Envoy's immediate response)."""
+"""The contract between the ext_proc server and the object that serves one HTTP stream
+(``Exchange``), and what an exchange asks of the Envoy protocol: rewrite the request, change the
+response's start, or answer at once (Envoy's immediate response)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 from ..translate.errors import HTTPError
 
@@ -45,3 +46,27 @@ class ResponseStart:
     set_headers: dict[str, str]
     remove_headers: list[str]
     buffer: bool
+
+
+class Exchange(Protocol):
+    """One HTTP stream's request and response, as the ext_proc server drives them, in this order:
+    ``request_body`` once; then ``response_headers``; then, if ``stream`` is set, ``response_chunk``
+    for every body chunk Envoy sends (one reply each), else ``response_body`` once with the whole
+    body; ``close`` always, last (``complete``: the client got the whole answer)."""
+
+    stream: Any  # set by ``response_headers`` when the producer's answer is streamed to the client
+    routed: Any  # what producer routing decided (``routing.balance.Decision``), for the log line
+
+    async def request_body(self, body: bytes) -> Rewrite | Reply: ...
+
+    def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart: ...
+
+    def response_chunk(self, chunk: bytes, end: bool) -> bytes | Awaitable[bytes]:
+        """Client bytes for one producer body chunk (render-tier mode awaits its /derender calls)."""
+        ...
+
+    async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
+        """The whole producer body -> the client's body and a new status, if any."""
+        ...
+
+    def close(self, complete: bool) -> None: ...

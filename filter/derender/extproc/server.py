@@ -3,7 +3,7 @@
 Envoy sends request headers, the buffered request body, response headers and
 the response body chunks of one HTTP stream over one gRPC stream. This module
 turns those messages into calls on the exchange for the request's endpoint
-(``chat.ChatExchange``) and its answers into ext_proc responses. Requests the
+(``actions.Exchange``) and its answers into ext_proc responses. Requests the
 filter answers itself (health, models, errors) get an ``immediate_response``
 before anything reaches a producer.
 """
@@ -26,8 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
 from ..ops import auth, loopwatch, metrics
-from ..endpoints.chat import ChatExchange
-from .actions import ResponseStart, Rewrite
+from .actions import Exchange, ResponseStart, Rewrite
 from ..translate.errors import HTTPError, from_exception
 from ..health import add_health
 from ..translate.model import Model
@@ -118,7 +117,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply."""
-        exchange: ChatExchange | None = None
+        exchange: Exchange | None = None
         complete = False
         rewritten = False  # the request went on to a producer
         self.active += 1

@@ -14,7 +14,7 @@ once (a ``Reply``), without a producer round trip.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Awaitable
 from urllib.parse import unquote
 
 import orjson
@@ -24,7 +24,7 @@ from ..translate.errors import HTTPError, anthropic_error_body, dumps
 from ..translate.model import Model
 from .balance import ENDPOINT_KEY, KEY_HEADER, Balancer, Decision, RoutingSpec
 from .producer import Producer, abort_replica_first
-from ..extproc.actions import Reply, Rewrite
+from ..extproc.actions import Exchange, Reply, ResponseStart, Rewrite
 
 CLUSTER_HEADER = "x-derender-cluster"
 # Request headers that steer Envoy (which cluster, which replica): only the filter sets them. The
@@ -102,7 +102,7 @@ class Backend:
     def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> Backend:
         return cls(model.served_names, producer, cluster, model=model)
 
-    def exchange(self, path: str, x_request_id: str | None) -> Any:
+    def exchange(self, path: str, x_request_id: str | None) -> Exchange:
         """The exchange object for one request to ``path``."""
         if self.tier is not None:
             from ..endpoints.rendertier import CHAT, COMPLETION, TierExchange, TierPassThrough
@@ -187,7 +187,7 @@ class ModelExchange:
         self.router = router
         self.path = path
         self.x_request_id = x_request_id
-        self.inner: Any = None
+        self.inner: Exchange | None = None
         self.balancer: Balancer | None = None
         self.decision: Decision | None = None
 
@@ -195,7 +195,7 @@ class ModelExchange:
     def stream(self) -> Any:
         return self.inner.stream if self.inner is not None else None
 
-    async def request_body(self, body: bytes) -> Any:
+    async def request_body(self, body: bytes) -> Rewrite | Reply:
         backend = self.router.backend_for(body)
         self.inner = backend.exchange(self.path, self.x_request_id)
         result = await self.inner.request_body(body)
@@ -213,13 +213,13 @@ class ModelExchange:
                 self.balancer = backend.balancer
         return result
 
-    def response_headers(self, status: int, upstream: str | None = None) -> Any:
+    def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         if self.balancer is not None and self.decision is not None:
             self.balancer.started(self.decision, upstream, status)
             self.inner.routed = self.decision
         return self.inner.response_headers(status, upstream)
 
-    def response_chunk(self, chunk: bytes, end: bool) -> Any:
+    def response_chunk(self, chunk: bytes, end: bool) -> bytes | Awaitable[bytes]:
         return self.inner.response_chunk(chunk, end)
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
