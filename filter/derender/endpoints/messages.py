@@ -38,9 +38,6 @@ from ..translate.render import Rendered, render_chat_request
 from ..extproc.actions import Reply, Rewrite
 from ..ops import logs
 
-MESSAGES_PATH = "/v1/messages"
-COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
-
 
 class _QuietStreamErrors(logging.Filter):
     """vLLM's converter logs a traceback for every failed stream; the filter logs its own line

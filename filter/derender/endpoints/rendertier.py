@@ -170,6 +170,11 @@ class TierStream:
         self.completion_tokens = 0
         self.finished = False  # [DONE] was written
 
+    @property
+    def whole(self) -> bool:
+        """``[DONE]`` went out after every choice finished (``ChatStream.whole``'s counterpart)."""
+        return self.finished and len(self.done) >= self.n
+
 
 class TierExchange:
     """One chat or completions exchange whose rendering and derendering the render tier does."""
@@ -448,9 +453,8 @@ class TierExchange:
         if self._watch is not None:
             self._watch.stop()
         stream = self.stream
-        # [DONE] went out on a whole answer: a client leaving now got everything (see ChatExchange.close).
-        complete = complete or (stream is not None and stream.finished and len(stream.done) >= stream.n
-                                and self.error is None)
+        # A client leaving once the whole answer went out got everything (see ChatExchange.close).
+        complete = complete or (stream is not None and stream.whole and self.error is None)
         if stream is not None and not stream.finished and not complete:
             self._abort("client gone")
         elif stream is None and not self._answered and not complete:  # sent, never answered

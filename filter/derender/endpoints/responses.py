@@ -44,7 +44,6 @@ from ..ops import logs
 
 log = logging.getLogger("derender.responses")
 
-RESPONSES_PATH = "/v1/responses"
 ONE_GENERATION = (
     "This request needs more than one generation (a built-in tool call inside the request), "
     "which the filter does not serve: send function tools and run them in the client."
