@@ -150,10 +150,12 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
         [str(BIN / "derender"), "up", "--port", str(port), "--replicas", "2", "--routing", "prefix", "--workers", "1"],
         stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "TMPDIR": tmp},
     )
+    children: list[psutil.Process] = []
     try:
         ready = up.stdout.readline()
         assert "2 producer replicas, prefix routing" in ready, (ready, log.seek(0) or log.read()[-3000:])
-        sims = [c for c in _children(up.pid) if " sim " in " ".join(c.cmdline())]
+        children = _children(up.pid)
+        sims = [c for c in children if " sim " in " ".join(c.cmdline())]
         ports = sorted(int(c.cmdline()[c.cmdline().index("--port") + 1]) for c in sims)
         assert len(ports) == 2, [c.cmdline() for c in sims]
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -181,5 +183,10 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
         assert said.count("derender.sim: simulator (echo mode, prefix cache of 16384 blocks)") == 2, said[-3000:]
     finally:
         if up.poll() is None:
-            up.kill()
+            up.kill()  # a failed assertion: up's children would outlive it
+            for child in children:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
         shutil.rmtree(tmp, ignore_errors=True)
