@@ -14,8 +14,8 @@ import argparse
 import logging
 
 import grpc
-from derender.ops import workers
-from derender.health import add_health
+from derender.extproc import workers
+from derender.extproc.health import add_health
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 

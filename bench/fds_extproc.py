@@ -19,15 +19,16 @@ import asyncio
 import logging
 
 import grpc
-from derender.ops import workers
+from derender.extproc import workers
 from derender.endpoints.chat import ChatExchange
 from derender.cli import add_model_arguments, model_spec
 from derender.translate.errors import HTTPError
 from derender.extproc.server import ExternalProcessor, _header_map, immediate
-from derender.health import add_health
+from derender.extproc.health import add_health
 from derender.translate.model import Model
 from derender.routing.producer import UPSTREAM_HEADER, Producer
-from derender.routing.routes import Reply, Router
+from derender.endpoints.router import Router
+from derender.exchange import Reply
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
@@ -104,7 +105,7 @@ class FullDuplexProcessor(ExternalProcessor):
                         out = _Coalescer(context)
                 elif kind == "response_body" and out is not None and exchange is not None:
                     body = message.response_body
-                    out.add(exchange.response_chunk(body.body, body.end_of_stream), body.end_of_stream)
+                    out.add(await exchange.response_chunk(body.body, body.end_of_stream), body.end_of_stream)
                     if body.end_of_stream:
                         complete = True
                         await out.drain()

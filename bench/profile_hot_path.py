@@ -54,8 +54,8 @@ async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple
     out = []
     start = time.process_time()
     for frame in frames:
-        out.append(exchange.response_chunk(frame, False))
-    out.append(exchange.response_chunk(b"", True))
+        out.append(await exchange.response_chunk(frame, False))
+    out.append(await exchange.response_chunk(b"", True))
     elapsed = time.process_time() - start
     exchange.close(True)
     return elapsed, b"".join(out)

@@ -259,7 +259,7 @@ def test_compose_filter_command_is_one_derender_accepts(docker_env):
     producer = _cluster(envoy_routes, "producer")
     assert producer["lb_policy"] == "RING_HASH" and producer["health_checks"]
     # The health check asks the gRPC health service on the ext_proc port.
-    assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.health", f"127.0.0.1:{args.port}"]
+    assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.extproc.health", f"127.0.0.1:{args.port}"]
     envoy = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
     [endpoint] = _cluster(envoy, "derender")["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "filter", "port_value": args.port}

@@ -181,9 +181,11 @@ def test_a_client_that_goes_away_aborts_the_producer_request(agents, qwen3_token
 
 
 def test_render_tier_mode_refuses_messages_clearly():
-    from derender.routing.routes import TIER_HAS_NO_MESSAGES, Backend
+    from derender.endpoints import messages
+    from derender.endpoints.router import Backend
 
+    TIER_HAS_NO_MESSAGES = messages.NOT_IN_TIER
     backend = Backend(["m"], producer=None, render_url="http://127.0.0.1:1")  # type: ignore[arg-type]
-    reply = asyncio.run(backend.exchange("/v1/messages", None).request_body(b"{}"))
+    reply = asyncio.run(backend.exchange(messages.ENDPOINT, None).request_body(b"{}"))
     assert reply.status == 501
     assert json.loads(reply.body) == {"type": "error", "error": {"type": "api_error", "message": TIER_HAS_NO_MESSAGES}}

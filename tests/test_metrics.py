@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 from derender.ops import envoy_config
-from derender import health as derender_health
+from derender.extproc import health as derender_health
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from stack import (

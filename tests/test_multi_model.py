@@ -178,6 +178,12 @@ def test_unknown_model_is_vllms_404(fleet):
                          "type": "NotFoundError", "param": "model", "code": 404}
     with pytest.raises(openai.NotFoundError):
         fleet.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+    # Messages clients read Anthropic's shape, as vLLM's Messages route translates its ErrorResponse.
+    r = httpx.post(fleet.base + "/v1/messages", timeout=60,
+                   json={"model": "gpt-4", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    assert r.json() == {"type": "error", "error": {"type": "not_found_error", "message":
+                        "The model `gpt-4` does not exist. Valid aliases: qwen3, qwen3-alias, r1."}}
     assert [len(fleet.requests(u)) for u in (*fleet.qwen3_urls, fleet.r1_url)] == before
 
 

@@ -185,8 +185,11 @@ def through_filter(model, rendered, pieces: list[bytes]) -> bytes:
     exchange = ChatExchange(model, None, None)  # no producer: nothing may need aborting here
     exchange.rendered = rendered
     assert not exchange.response_headers(200).buffer
-    out = [exchange.response_chunk(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
-    return b"".join(out)
+
+    async def chunks() -> list[bytes]:
+        return [await exchange.response_chunk(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+    return b"".join(asyncio.run(chunks()))
 
 
 def client_events(data: bytes) -> list:

@@ -274,7 +274,7 @@ def test_an_abort_falls_back_to_the_configured_producers(sim, two_replicas):
     """A replica that cannot be reached (or no replica named): the abort goes to --producer, or to every
     producer of a cluster; a reachable replica gets it alone."""
     from derender.routing.producer import Producer
-    from derender.routing.routes import ClusterProducers
+    from derender.routing.clusters import ClusterProducers
 
     _, second_url = two_replicas
     gone = f"127.0.0.1:{free_port()}"
@@ -713,7 +713,7 @@ def test_sigterm_drains_open_streams_and_refuses_new_ones(plain_stack, qwen3_dir
     """A filter told to stop (a rolling update, a scale-down) with its default forked workers:
     the stream in flight runs to [DONE], a new request gets an OpenAI error at once, health checks
     read NOT_SERVING, and the filter exits once the stream is done, well before --drain-timeout."""
-    from derender import health
+    from derender.extproc import health
 
     flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
                               "--drain-timeout", "60"], plain_stack.sim_url)

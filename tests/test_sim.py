@@ -520,11 +520,11 @@ def test_prefill_wait_is_for_uncached_tokens_only():
         for _ in range(2):
             await (await client.post("/inference/v1/generate", json=body(token_ids=prompt))).read()
 
-    sim.asyncio.sleep = recorded
+    asyncio.sleep = recorded
     try:
         run(sim.build_app(QWEN, prefix_cache_blocks=100, prefill_us_per_token=1000), go)
     finally:
-        sim.asyncio.sleep = real_sleep
+        asyncio.sleep = real_sleep
     assert waits == [0.064]  # the second time, every block was cached: no wait
 
 

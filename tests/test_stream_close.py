@@ -55,20 +55,20 @@ async def end_client_gone(exchange) -> bytes:
 
 async def end_producer_error(exchange) -> bytes:
     error = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
-    return exchange.response_chunk(b"data: " + json.dumps(error).encode() + b"\n\n", False)
+    return await exchange.response_chunk(b"data: " + json.dumps(error).encode() + b"\n\n", False)
 
 
 async def end_invalid_event(exchange) -> bytes:
-    return exchange.response_chunk(b"data: [1, 2]\n\n", False)
+    return await exchange.response_chunk(b"data: [1, 2]\n\n", False)
 
 
 async def end_body_cut(exchange) -> bytes:
-    return exchange.response_chunk(b"", True)
+    return await exchange.response_chunk(b"", True)
 
 
 async def end_stall(exchange) -> bytes:
     await asyncio.sleep(0.3)  # past the stall timeout (0.1 s here): the watch aborts the producer request
-    return exchange.response_chunk(b"", True)  # the producer's last words
+    return await exchange.response_chunk(b"", True)  # the producer's last words
 
 
 @pytest.mark.parametrize("end", [end_client_gone, end_producer_error, end_invalid_event, end_body_cut, end_stall])
@@ -90,7 +90,7 @@ def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_to
         rewrite = await exchange.request_body(json.dumps(body).encode())
         rewrite.then()  # as the ext_proc server does once the request has gone on
         exchange.response_headers(200)
-        sent = b"".join(exchange.response_chunk(event([i]), False) for i in ids)
+        sent = b"".join([await exchange.response_chunk(event([i]), False) for i in ids])
         sent += await end(exchange)
         exchange.close(True)
         if end is not end_body_cut:  # the producer's body ended: nothing left to abort

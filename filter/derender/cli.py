@@ -74,7 +74,8 @@ def served(args: argparse.Namespace):
     """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags."""
     from .translate.model import Model
     from .routing.producer import Producer
-    from .routing.routes import Backend, producers
+    from .endpoints.router import Backend
+    from .routing.clusters import producers
 
     if args.config:
         from .routing import config
@@ -124,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder = tempfile.mkdtemp(prefix="derender-metrics-")
         atexit.register(shutil.rmtree, folder, True)  # the supervisor's exit (workers leave by os._exit)
-    from .ops import metrics, workers
+    from .extproc import workers
+    from .ops import metrics
 
     metrics.configure(args.metrics_host or args.host, args.metrics_port)
     from .ops import auth
@@ -190,7 +192,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from .ops.up import run
+    from .up import run
 
     return run(args)
 

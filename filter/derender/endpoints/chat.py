@@ -14,58 +14,58 @@ import time
 from copy import copy
 from typing import Any
 
-from ..ops import logs, metrics
+from ..ops import logs
 from ..translate.collect import Collected
 from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from ..translate.errors import INCOMPLETE, HTTPError, from_exception
 from ..translate.model import Model
 from ..routing.producer import GENERATE_PATH, Producer
 from ..translate.render import Rendered, render_chat
-from ..extproc.actions import ResponseStart, Rewrite
+from ..exchange import Endpoint, ResponseStart, Rewrite
 from ..translate.sse import SSEDecoder, SSEError
-from ..translate.stall import StallWatch, message as stall_message
+from ..translate.stall import message as stall_message
+from .lifecycle import ProducerExchange, ms, producer_failure
 
 log = logging.getLogger("derender.chat")
 
 
-# Envoy's own answers when it stops waiting for a producer that has not answered (its route
-# timeout, its stream idle timeout): the producer may still be generating, so it is told to stop.
-ENVOY_GAVE_UP = frozenset({408, 504})
-
-
-class ChatExchange:
+class ChatExchange(ProducerExchange):
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
     stream_class = ChatStream
     full_response = staticmethod(chat_completion)  # the final output -> the one JSON answer
     endpoint = "chat"
-    routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
+    operation = "chat"
     producer_cached_tokens: int | None = None  # non-streaming: what the producer's usage says
 
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
+        super().__init__(producer, x_request_id, log)
         self.model = model
-        self.producer = producer
-        self.x_request_id = x_request_id
         self.rendered: Rendered | None = None
         self.stream: ChatStream | Collected | None = None
         self._ready: ChatStream | None = None  # built while the producer is reached (``prepare``)
-        self.status = 0
         self._sse = SSEDecoder()
-        self._started = time.monotonic()
-        self._first_token: float | None = None
-        self._aborted = False
-        self._answered = False  # a buffered (non-streaming) answer reached the filter whole
-        self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
-        self.client_status = 0  # what the client got (self.status is the producer's)
-        self.error: str | None = None  # the first failure, as metrics and the request log name it
-        self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
         self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
-        self._watch: StallWatch | None = None  # streaming
         self._body_at: float | None = None  # seconds from the request's headers to its body
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
-        self._asked_model: str | None = None  # a refused request's "model", for its log line
-        self._asked_stream = False  # and whether it asked to stream
+
+    # -- what the lifecycle needs to know (``ProducerExchange``) ---------------
+    @property
+    def sent(self) -> bool:
+        return self.rendered is not None
+
+    @property
+    def request_id(self) -> str:
+        return self.rendered.request_id if self.rendered is not None else ""
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.rendered.stream) if self.rendered is not None else False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.rendered.prompt_token_ids) if self.rendered is not None else 0
 
     @staticmethod
     def completion_texts(sent: bytes, stream: bool) -> list[str]:
@@ -87,12 +87,12 @@ class ChatExchange:
             self._render_time = time.monotonic() - started
         except HTTPError as exc:
             self.client_status = exc.status
-            self._asked_model, self._asked_stream = asked(body)
+            self.refused(body)
             raise
         except Exception as exc:  # vLLM raises some validation errors (e.g. tool_choice) past pydantic
             error = from_exception(exc)
             self.client_status = error.status
-            self._asked_model, self._asked_stream = asked(body)
+            self.refused(body)
             raise error from None
         return Rewrite(
             body=self.rendered.body,
@@ -122,19 +122,13 @@ class ChatExchange:
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
-        self._upstream = upstream
         assert self.rendered is not None
         self._headers_at = time.monotonic() - self._started
-        self.status = self.client_status = status
-        if status != 200:
-            self._failed(metrics.producer_error, "status")
-        if status in ENVOY_GAVE_UP:
-            self._abort("no answer")
+        self.response_started(status, upstream)
         ready, self._ready = self._ready, None
         if status == 200 and self.rendered.stream:
             self.stream = ready or self.stream_class(self.model, self.rendered)
-            self._watch = StallWatch(self.rendered.request_id, self._stalled)
-            self._watch.start()
+            self.watch_stalls()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -147,19 +141,19 @@ class ChatExchange:
             return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=False)
         return ResponseStart({"content-type": "application/json"}, ["content-length"], buffer=True)
 
-    def response_chunk(self, chunk: bytes, end: bool) -> Any:
-        """Streaming: one body chunk of SSE from the producer -> client bytes (awaitable if collected)."""
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        """Streaming: one body chunk of SSE from the producer -> client bytes."""
         stream = self.stream
         assert stream is not None
         if isinstance(stream, Collected):
-            return self._collect(stream, chunk, end)
+            return await self._collect(stream, chunk, end)
         if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
             return stream.fail(504, stall_message())
         try:
             return self._translate(stream, chunk, end)
         except Exception:  # a bug must end this stream cleanly, never the gRPC stream
             log.exception("stream %s failed", self.rendered.request_id if self.rendered else None)
-            self._failed(metrics.parser_error, "stream")
+            self._failed("parser_stream")
             self._abort("filter error")
             return stream.fail(500, "internal error in the filter while translating the stream")
 
@@ -183,12 +177,12 @@ class ChatExchange:
             if abort:
                 self._abort("stop string")
         if bad is not None and not stream.finished:
-            self._failed(metrics.parser_error, "stream")
+            self._failed("parser_stream")
             out.append(stream.fail(502, f"invalid producer stream: {bad}"))
             self._abort("invalid producer stream")
         if end:
             if not stream.finished and not stream.outputs.done:
-                self._failed(metrics.producer_error, "incomplete")
+                self._failed("producer_incomplete")
             out.append(stream.end())
         if self._first_token is None and stream.completion_tokens:
             self._first_token = time.monotonic()
@@ -211,7 +205,7 @@ class ChatExchange:
             elif not end:
                 return b""
             else:
-                self._failed(metrics.producer_error, "incomplete")
+                self._failed("producer_incomplete")
                 out = self.answer_error(HTTPError(502, INCOMPLETE))
         except HTTPError as exc:
             out = self.answer_error(self._answer_failed(exc))
@@ -234,40 +228,27 @@ class ChatExchange:
         """
         if isinstance(exc, HTTPError):
             if exc.status == 502:
-                self._failed(metrics.parser_error, "response")
+                self._failed("parser_response")
             else:
-                self._failed(metrics.producer_error, "error")
+                self._failed("producer_error")
             return exc
         log.exception("response %s failed", self.rendered.request_id if self.rendered else None)
-        self._failed(metrics.parser_error, "response")
+        self._failed("parser_response")
         return HTTPError(500, "internal error in the filter while translating the response")
-
-    def _stalled(self) -> None:
-        """The producer went quiet: abort its request; its last words end the client's stream."""
-        if self.stream is None or self.stream.finished:
-            return
-        self._failed(metrics.producer_error, "stall")
-        self._abort("stalled")
 
     def _stream_failed(self, payload: bytes) -> None:
         """The stream ended in an error at this producer event: whose fault was it?"""
         if payload == b"[DONE]":
-            self._failed(metrics.producer_error, "incomplete")
+            self._failed("producer_incomplete")
             return
         try:
             event = json.loads(payload)
         except ValueError:
             event = None
         if isinstance(event, dict) and "error" in event:
-            self._failed(metrics.producer_error, "error")
+            self._failed("producer_error")
         else:  # the filter could not use the event (or vLLM's output parsers failed on it)
-            self._failed(metrics.parser_error, "stream")
-
-    def _failed(self, count, kind: str) -> None:
-        """Count the exchange's first failure (``count`` is a ``metrics`` function)."""
-        if self.error is None:
-            self.error = f"{count.__name__.removesuffix('_error')}_{kind}"  # e.g. producer_status
-            count(kind)
+            self._failed("parser_stream")
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
@@ -291,135 +272,33 @@ class ChatExchange:
             self._sent.append(out)
         return out, None
 
-    def close(self, complete: bool) -> None:
-        """The exchange is over; ``complete`` is False if the client or Envoy cut it.
-
-        A client that leaves once the stream's last event is out (chat's ``[DONE]``, Messages'
-        ``message_stop``, Responses' ``response.completed``), before the producer's body has
-        ended, got everything: that exchange is complete, and its producer request is done.
-        """
-        complete = complete or (self.stream is not None and self.stream.whole)
-        if self._watch is not None:
-            self._watch.stop()
+    def closing(self) -> None:
         if self._ready is not None:  # no producer answer came
             self._ready.close()
             self._ready = None
-        if self.stream is not None and not self.stream.finished:
-            if not complete:
-                self._abort("client gone")
-            self.stream.close()
-        elif self.stream is None and self.rendered is not None and not self._answered and not complete:
-            # Sent to the producer, never answered: the client left, or Envoy gave up waiting
-            # (its idle timeout before the producer's headers). The coupled server aborts too.
-            self._abort("no answer")
+
+    def log_head(self) -> dict[str, Any]:
+        rendered = self.rendered
+        return {
+            "request_id": rendered.request_id if rendered else None,
+            "x_request_id": self.x_request_id,
+            "model": (rendered.request.model or self.model.name) if rendered else self._asked_model,
+        }
+
+    def log_tail(self) -> dict[str, Any]:
         rendered = self.rendered
         tail = {
-            "body_ms": _ms(self._body_at),
-            "render_ms": _ms(self._render_time),
-            "producer_headers_ms": _ms(self._headers_at),
-            **(self.routed.fields() if self.routed is not None else {}),
+            "body_ms": ms(self._body_at),
+            "render_ms": ms(self._render_time),
+            "producer_headers_ms": ms(self._headers_at),
+            **super().log_tail(),
         }
         if self._sent is not None and rendered is not None:
             request = rendered.request
             tail["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
             sent = b"".join(self._sent)
             tail["completion"] = self.completion_texts(sent, rendered.stream)
-        record(
-            log,
-            self.endpoint,
-            {
-                "request_id": rendered.request_id if rendered else None,
-                "x_request_id": self.x_request_id,
-                "model": (rendered.request.model or self.model.name) if rendered else self._asked_model,
-            },
-            tail,
-            started=self._started,
-            first_token=self._first_token,
-            error=self.error,
-            complete=complete,
-            client_status=self.client_status,
-            stream=bool(rendered.stream) if rendered else self._asked_stream,
-            prompt_tokens=len(rendered.prompt_token_ids) if rendered else None,
-            completion_tokens=self.stream.completion_tokens if self.stream is not None else self._completion_tokens,
-        )
-
-    def _abort(self, why: str) -> None:
-        if self._aborted or self.rendered is None:
-            return
-        self._aborted = True
-        request_id = (self.stream and self.stream.producer_request_id) or producer_request_id(
-            self.x_request_id, self.rendered.request_id
-        )
-        self.producer.abort_soon(request_id, why, self._upstream)
-
-
-def asked(body: bytes) -> tuple[str | None, bool]:
-    """The ``model`` a request body names and whether it asks to stream, as far as it is a JSON
-    object saying so (for the log line of a request that was refused)."""
-    try:
-        parsed = json.loads(body)
-        model, stream = parsed.get("model"), parsed.get("stream")
-    except (ValueError, AttributeError, RecursionError):
-        return None, False
-    return (model[:200] if isinstance(model, str) else None), stream is True
-
-
-def _ms(seconds: float | None) -> float | None:
-    return round(seconds * 1000, 1) if seconds is not None else None
-
-
-def record(
-    logger: logging.Logger,
-    endpoint: str,
-    head: dict[str, Any],
-    tail: dict[str, Any],
-    *,
-    started: float,
-    first_token: float | None,
-    error: str | None,
-    complete: bool,
-    client_status: int,
-    stream: bool,
-    prompt_tokens: int | None,
-    completion_tokens: int | None,
-) -> None:
-    """Count one finished exchange and write its one log line (``head``, the outcome, ``tail``).
-
-    ``head`` names the request (``request_id``, ``x_request_id``, ``model``, ...); ``prompt_tokens``
-    None means it never reached a producer: logged, not counted.
-    """
-    elapsed = time.monotonic() - started
-    ttft = first_token - started if first_token is not None else None
-    error = error or (None if complete else "cancelled")
-    if error is None and client_status >= 400:
-        error = str(client_status)
-    if prompt_tokens is not None:
-        metrics.chat_done(
-            OPERATIONS.get(endpoint, endpoint),
-            head.get("model") or "",
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            duration=elapsed,
-            time_to_first_token=ttft,
-            error_type=error or "",
-        )
-    fields = {
-        **head,
-        "status": client_status,
-        "stream": stream,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "complete": complete,
-        "error": error,
-        "duration_ms": _ms(elapsed),
-        "ttft_ms": _ms(ttft),
-        **tail,
-    }
-    logger.info(endpoint, extra={"fields": fields})
-
-
-# gen_ai.operation.name for each endpoint (OpenTelemetry GenAI conventions).
-OPERATIONS = {"chat": "chat", "completion": "text_completion", "messages": "messages"}
+        return tail
 
 
 def _token_count(body: bytes) -> int | None:
@@ -442,23 +321,4 @@ def verify_params(model: Model, rendered: object) -> None:
         copy(params).verify(model.model_config, None, None, model.tokenizer)
 
 
-def producer_request_id(x_request_id: str | None, request_id: str) -> str:
-    """The id the producer gives its engine request (``generate-tokens-...``)."""
-    return f"generate-tokens-{x_request_id or request_id}"
-
-
-def producer_error(status: int, body: bytes) -> bytes:
-    """A producer (or upstream) error body -> an OpenAI error with the same status."""
-    return producer_failure(status, body).body()
-
-
-def producer_failure(status: int, body: bytes) -> HTTPError:
-    """A producer (or upstream) error body -> the error the client gets, with the same status."""
-    try:
-        error = json.loads(body).get("error")
-        if isinstance(error, dict) and "message" in error:
-            return HTTPError(status, str(error["message"]), error.get("type"), error.get("param"))
-    except (ValueError, AttributeError):
-        pass
-    text = body.decode("utf-8", "replace").strip()[:500] or f"HTTP {status}"
-    return HTTPError(status, f"producer error: {text}")
+ENDPOINT = Endpoint("/v1/chat/completions", ChatExchange)

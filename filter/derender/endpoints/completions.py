@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-
 from .chat import ChatExchange
+from ..exchange import Endpoint
 from ..translate.stream import ChatStream
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
@@ -139,3 +139,7 @@ class CompletionExchange(ChatExchange):
     stream_class = CompletionStream
     full_response = staticmethod(completion_response)
     endpoint = "completion"
+    operation = "text_completion"
+
+
+ENDPOINT = Endpoint("/v1/completions", CompletionExchange)

@@ -35,7 +35,7 @@ from ..translate.stream import ChatStream, chat_response
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat_request
-from ..extproc.actions import Reply, Rewrite
+from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
 
 
@@ -130,6 +130,7 @@ class MessagesExchange(ChatExchange):
     stream_class = MessagesStream
     full_response = staticmethod(message_response)
     endpoint = "messages"
+    operation = "messages"
 
     @staticmethod
     def answer_error(exc: HTTPError) -> bytes:
@@ -162,8 +163,8 @@ class CountTokensExchange:
 
     stream = None
 
-    def __init__(self, model: Model, x_request_id: str | None) -> None:
-        self.model = model
+    def __init__(self, model: Model, producer: Any, x_request_id: str | None) -> None:
+        self.model = model  # the producer is not asked
         self.x_request_id = x_request_id
 
     async def request_body(self, body: bytes) -> Reply:
@@ -185,3 +186,12 @@ class CountTokensExchange:
 
     def close(self, complete: bool) -> None:
         pass
+
+
+NOT_IN_TIER = (
+    "/v1/messages is not served in render-tier mode: vLLM's render tier renders Messages requests but "
+    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
+    "--model (the filter renders and derenders Messages itself), or use /v1/chat/completions."
+)
+ENDPOINT = Endpoint("/v1/messages", MessagesExchange, anthropic=True, not_in_tier=NOT_IN_TIER)
+COUNT_TOKENS = Endpoint("/v1/messages/count_tokens", CountTokensExchange, anthropic=True, not_in_tier=NOT_IN_TIER)

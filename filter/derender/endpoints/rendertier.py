@@ -33,52 +33,26 @@ The filter loads no model in this mode.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-import aiohttp
 import orjson
 
-from .chat import ENVOY_GAVE_UP, asked, producer_error, record
-from ..extproc.actions import ResponseStart, Rewrite
-from ..ops import metrics
+from ..exchange import Exchange, Reply, ResponseStart, Rewrite
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..routing.producer import GENERATE_PATH, Producer
 from ..translate.sse import SSEDecoder
-from ..translate.stall import StallWatch, message as stall_message
+from ..translate.stall import message as stall_message
+from .completions import ONE_PROMPT
+from .tier_client import CHAT, COMPLETION, RenderTier, TierPaths, chat_echo, tier_error
+from .lifecycle import ProducerExchange, producer_error
 
 log = logging.getLogger("derender.rendertier")
 
 DONE = b"data: [DONE]\n\n"
 
-# A failure's name in the log -> its counter and label: producer failures as in local mode
-# (derender_producer_errors_total), output the filter could not use or the render tier could not
-# turn into an answer as parser errors (derender_parser_errors_total).
-FAILURES = {
-    "producer_status": (metrics.producer_error, "status"),
-    "producer_error": (metrics.producer_error, "error"),
-    "producer_incomplete": (metrics.producer_error, "incomplete"),
-    "producer_stall": (metrics.producer_error, "stall"),
-    "producer_stream": (metrics.parser_error, "stream"),
-    "producer_response": (metrics.parser_error, "response"),
-    "render_tier": (metrics.parser_error, "render_tier"),
-}
 NO_ECHO = "echo is not available in render-tier mode: vLLM's derender endpoints do not echo the prompt."
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    name: str
-    render_path: str
-    derender_path: str
-    request_key: str  # the field that carries the client's request on every derender call
-
-
-CHAT = Endpoint("chat", "/v1/chat/completions/render", "/v1/chat/completions/derender", "chat_request")
-COMPLETION = Endpoint("completion", "/v1/completions/render", "/v1/completions/derender", "completion_request")
 
 
 def _stream_stop_strings_error() -> str:
@@ -91,69 +65,6 @@ def _default_max_tokens() -> int:
     from vllm.sampling_params import SamplingParams
 
     return SamplingParams().max_tokens
-
-
-def tier_error(status: int, body: bytes) -> HTTPError:
-    """The render tier's answer (vLLM's ``{"error": {...}}``) as an ``HTTPError``."""
-    try:
-        error = orjson.loads(body)["error"]
-        return HTTPError(status, str(error["message"]), error.get("type"), error.get("param"))
-    except (ValueError, KeyError, TypeError):
-        text = body.decode("utf-8", "replace").strip()[:500]
-        return HTTPError(status if status >= 400 else 502, f"render tier error: {text or f'HTTP {status}'}")
-
-
-class RenderTier:
-    """One ``vllm launch render`` server, by base URL."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=60),
-                connector=aiohttp.TCPConnector(limit=256),
-            )
-        return self._session
-
-    async def call(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-        """One HTTP call; an unreachable render tier is a 503."""
-        try:
-            async with self._client().request(
-                method, self.url + path, data=body, headers={"content-type": "application/json", **(headers or {})}
-            ) as response:
-                return response.status, await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning("render tier %s %s failed: %s", method, self.url + path, exc)
-            return 503, error_body(503, f"render tier unreachable: {exc.__class__.__name__} {exc}")
-
-    async def models(self) -> list[dict[str, Any]]:
-        status, body = await self.call("GET", "/v1/models")
-        if status != 200:
-            raise tier_error(status, body)
-        return orjson.loads(body)["data"]
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-def chat_echo(request: dict[str, Any]) -> str:
-    """The text coupled vLLM echoes for a chat request: the last message's content when its role is
-    the one the answer takes (``assistant``, or the last message's own role without a generation prompt)."""
-    if not request.get("echo"):
-        return ""
-    messages = request.get("messages") or []
-    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
-    role = "assistant" if request.get("add_generation_prompt", True) else last.get("role")
-    if last.get("role") != role:
-        return ""
-    content = last.get("content") or ""
-    if isinstance(content, list):  # text parts, flattened as vLLM's chat parser does
-        content = "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
-    return content if isinstance(content, str) else ""
 
 
 class TierStream:
@@ -170,37 +81,49 @@ class TierStream:
         self.completion_tokens = 0
         self.finished = False  # [DONE] was written
 
+    def close(self) -> None:
+        pass  # nothing held between derender calls but the states
+
     @property
     def whole(self) -> bool:
         """``[DONE]`` went out after every choice finished (``ChatStream.whole``'s counterpart)."""
         return self.finished and len(self.done) >= self.n
 
 
-class TierExchange:
+class TierExchange(ProducerExchange):
     """One chat or completions exchange whose rendering and derendering the render tier does."""
 
-    routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
-
-    def __init__(self, tier: RenderTier, endpoint: Endpoint, producer: Producer, x_request_id: str | None) -> None:
+    def __init__(self, tier: RenderTier, paths: TierPaths, producer: Producer, x_request_id: str | None) -> None:
+        super().__init__(producer, x_request_id, log)
         self.tier = tier
-        self.endpoint = endpoint
-        self.producer = producer
-        self.x_request_id = x_request_id
+        self.paths = paths
+        self.endpoint, self.operation = paths.name, paths.operation
         self.client_request: Any = None
         self.generate: dict[str, Any] = {}
         self.stream: TierStream | None = None
-        self.status = 0  # the producer's
-        self.client_status = 0  # what the client got
-        self.error: str | None = None  # the first failure, as the request log names it
-        self._completion_tokens: int | None = None  # non-streaming
         self._sse = SSEDecoder()
-        self._started = time.monotonic()
-        self._first_token: float | None = None
-        self._aborted = False
-        self._asked_stream = False  # what a refused request asked for, for its log line
-        self._answered = False  # a buffered answer reached the filter whole
-        self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
-        self._watch: StallWatch | None = None  # streaming
+
+    # -- what the lifecycle needs to know (``ProducerExchange``) ---------------
+    @property
+    def sent(self) -> bool:
+        return bool(self.generate)
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.generate.get("stream"))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def log_head(self) -> dict[str, Any]:
+        model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
+        return {
+            "request_id": self.request_id or None,
+            "x_request_id": self.x_request_id,
+            "model": model or self.generate.get("model") or self._asked_model,
+            "render_tier": self.tier.url,
+        }
 
     @property
     def request_id(self) -> str:
@@ -216,14 +139,12 @@ class TierExchange:
             return await self._render(body)
         except HTTPError as exc:
             self.client_status = exc.status
-            self._asked_stream = asked(body)[1]
+            self.refused(body)
             raise
 
     async def _render(self, body: bytes) -> Rewrite:
-        from .completions import ONE_PROMPT
-
         headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
-        status, data = await self.tier.call("POST", self.endpoint.render_path, body, headers)
+        status, data = await self.tier.call("POST", self.paths.render_path, body, headers)
         if status != 200:
             raise tier_error(status, data)
         generate = orjson.loads(data)
@@ -232,7 +153,7 @@ class TierExchange:
                 raise HTTPError(400, ONE_PROMPT.format(n=len(generate)), param="prompt")
             generate = generate[0]
         self.client_request = orjson.loads(body)  # the render tier accepted it: a JSON object
-        if self.endpoint is COMPLETION and self.client_request.get("echo"):
+        if self.paths is COMPLETION and self.client_request.get("echo"):
             raise HTTPError(400, NO_ECHO, param="echo")
         params = generate["sampling_params"]
         # vLLM writes SamplingParams without the fields equal to their defaults, and a producer
@@ -251,18 +172,12 @@ class TierExchange:
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
-        self._upstream = upstream
-        self.status = self.client_status = status
-        if status in ENVOY_GAVE_UP:
-            self._abort("no answer")
-        if status != 200:
-            self._failed("producer_status")
+        self.response_started(status, upstream)
         if status == 200 and self.generate.get("stream"):
             self.stream = TierStream(self.generate["sampling_params"].get("n") or 1)
-            if self.endpoint is CHAT:
+            if self.paths is CHAT:
                 self.stream.echo = chat_echo(self.client_request)
-            self._watch = StallWatch(self.request_id, self._stalled)
-            self._watch.start()
+            self.watch_stalls()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},
                 ["content-length"],
@@ -281,7 +196,7 @@ class TierExchange:
             if end:
                 payloads += self._sse.close()
         except ValueError as exc:
-            self._failed("producer_stream")
+            self._failed("parser_stream")
             return self._fail(502, f"invalid producer stream: {exc}")
         for payload in payloads:
             out.append(await self._event(payload))
@@ -303,7 +218,7 @@ class TierExchange:
             if not isinstance(event, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
-            self._failed("producer_stream")
+            self._failed("parser_stream")
             return self._fail(502, f"invalid producer event: {exc}")
         if "error" in event:
             error = event["error"] if isinstance(event["error"], dict) else {"message": str(event["error"])}
@@ -316,7 +231,7 @@ class TierExchange:
         index = choices[0].get("index", 0) if choices else None
         status, data = await self.tier.call(
             "POST",
-            self.endpoint.derender_path,
+            self.paths.derender_path,
             orjson.dumps(
                 {
                     "stream": True,
@@ -325,13 +240,13 @@ class TierExchange:
                     "stream_state": stream.states.get(index) if index is not None else None,
                     "prompt_tokens": len(self.prompt_token_ids),
                     "prompt_token_ids": self.prompt_token_ids,
-                    self.endpoint.request_key: self.client_request,
+                    self.paths.request_key: self.client_request,
                 }
             ),
         )
         if status != 200:
             error = tier_error(status, data)
-            self._failed("render_tier")
+            self._failed("parser_render_tier")
             self._abort("derender failed")
             return self._fail(error.status, error.message, error.type)
         answer = orjson.loads(data)
@@ -406,7 +321,7 @@ class TierExchange:
             response = orjson.loads(body)
             self._completion_tokens = sum(len(c.get("token_ids") or ()) for c in response.get("choices") or ())
         except (ValueError, AttributeError, TypeError) as exc:
-            self._failed("producer_response")
+            self._failed("parser_response")
             self.client_status = 502
             return error_body(502, f"invalid producer response: {exc}"), 502
         ids, prompt_tokens = self.prompt_token_ids, len(self.prompt_token_ids)
@@ -415,79 +330,24 @@ class TierExchange:
         # reasoning (continue_final_message, enable_thinking=False) reads as still reasoning.
         if isinstance(response, dict) and response.get("prompt_token_ids") is None:
             response["prompt_token_ids"] = ids
-        if self.endpoint is CHAT:
+        if self.paths is CHAT:
             request = {"generate_response": response, "prompt_tokens": prompt_tokens, "prompt_token_ids": ids}
         else:
             request = {"generate_responses": [response], "prompt_tokens": [prompt_tokens], "prompt_token_ids": [ids]}
-        request.update(model=self.client_request.get("model"), **{self.endpoint.request_key: self.client_request})
-        status, data = await self.tier.call("POST", self.endpoint.derender_path, orjson.dumps(request))
+        request.update(model=self.client_request.get("model"), **{self.paths.request_key: self.client_request})
+        status, data = await self.tier.call("POST", self.paths.derender_path, orjson.dumps(request))
         if status != 200:
             error = tier_error(status, data)
-            self._failed("render_tier")
+            self._failed("parser_render_tier")
             self.client_status = error.status
             return error.body(), error.status
         result = orjson.loads(data)
         result["id"] = self.request_id
-        echo = chat_echo(self.client_request) if self.endpoint is CHAT else ""
+        echo = chat_echo(self.client_request) if self.paths is CHAT else ""
         for choice in result.get("choices") or () if echo else ():
             message = choice.get("message") or {}
             message["content"] = echo + (message.get("content") or "")
         return dumps(result), None
-
-    def _failed(self, error: str) -> None:
-        """Count the exchange's first failure, under the same counters as the local exchanges."""
-        if self.error is None:
-            self.error = error
-            count, kind = FAILURES[error]
-            count(kind)
-
-    def _stalled(self) -> None:
-        """The producer went quiet: abort its request; its last words end the client's stream."""
-        if self.stream is None or self.stream.finished:
-            return
-        self._failed("producer_stall")
-        self._abort("stalled")
-
-    def close(self, complete: bool) -> None:
-        """The exchange is over: abort a producer request nobody reads, count it, log one line."""
-        if self._watch is not None:
-            self._watch.stop()
-        stream = self.stream
-        # A client leaving once the whole answer went out got everything (see ChatExchange.close).
-        complete = complete or (stream is not None and stream.whole and self.error is None)
-        if stream is not None and not stream.finished and not complete:
-            self._abort("client gone")
-        elif stream is None and not self._answered and not complete:  # sent, never answered
-            self._abort("no answer")
-        model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
-        record(
-            log,
-            self.endpoint.name,
-            {
-                "request_id": self.request_id or None,
-                "x_request_id": self.x_request_id,
-                "model": model or self.generate.get("model"),
-                "render_tier": self.tier.url,
-            },
-            self.routed.fields() if self.routed is not None else {},
-            started=self._started,
-            first_token=self._first_token,
-            error=self.error,
-            complete=complete,
-            client_status=self.client_status,
-            stream=bool(self.generate.get("stream")) if self.generate else self._asked_stream,
-            prompt_tokens=len(self.prompt_token_ids) if self.generate else None,
-            completion_tokens=stream.completion_tokens if stream is not None else self._completion_tokens,
-        )
-
-    def _abort(self, why: str) -> None:
-        if self._aborted or not self.generate:
-            return
-        self._aborted = True
-        request_id = (self.stream and self.stream.producer_request_id) or (
-            f"generate-tokens-{self.x_request_id or self.request_id}"
-        )
-        self.producer.abort_soon(request_id, why, self._upstream)
 
 
 class TierPassThrough:
@@ -500,9 +360,7 @@ class TierPassThrough:
         self.path = path
         self.x_request_id = x_request_id
 
-    async def request_body(self, body: bytes) -> Any:
-        from ..extproc.actions import Reply
-
+    async def request_body(self, body: bytes) -> Reply:
         headers = {"X-Request-Id": self.x_request_id} if self.x_request_id else {}
         status, data = await self.tier.call("POST", self.path, body, headers)
         if status != 200:
@@ -511,3 +369,13 @@ class TierPassThrough:
 
     def close(self, complete: bool) -> None:
         pass
+
+
+# What render-tier mode serves, by path: (tier, producer, x-request-id) -> the exchange. Every
+# other endpoint of the registry answers its ``not_in_tier`` (501).
+SERVED: dict[str, Callable[[RenderTier, Any, str | None], Exchange]] = {
+    "/v1/chat/completions": lambda tier, producer, x_request_id: TierExchange(tier, CHAT, producer, x_request_id),
+    "/v1/completions": lambda tier, producer, x_request_id: TierExchange(tier, COMPLETION, producer, x_request_id),
+    "/tokenize": lambda tier, producer, x_request_id: TierPassThrough(tier, "/tokenize", x_request_id),
+    "/detokenize": lambda tier, producer, x_request_id: TierPassThrough(tier, "/detokenize", x_request_id),
+}

@@ -28,7 +28,6 @@ import asyncio
 import functools
 import json
 import logging
-from collections import deque
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -37,163 +36,15 @@ from . import responses_store as store
 from .chat import ChatExchange
 from ..translate.stream import ChatStream, choice_outputs
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
-from ..translate.model import Model, _EngineStandIn
+from ..translate.model import Model
 from ..translate.render import Rendered, producer_body
-from ..extproc.actions import Reply, Rewrite
+from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
+from .responses_session import _STAND_IN_SESSIONS, Session, _ProducerEngine
+
+RESPONSES_PATH = "/v1/responses"
 
 log = logging.getLogger("derender.responses")
-
-ONE_GENERATION = (
-    "This request needs more than one generation (a built-in tool call inside the request), "
-    "which the filter does not serve: send function tools and run them in the client."
-)  # vLLM asks for a second generation only with a tool server, which the filter does not have
-
-
-class Session:
-    """One Responses request: vLLM's ``create_responses`` as a task, fed the producer's outputs."""
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.frames: list[bytes] = []
-        self.result: Any = None  # create_responses' return value (a response, an error, or a stream)
-        self.error: BaseException | None = None
-        self.engine_input: Any = None
-        self.params: Any = None
-        self.engine_kwargs: dict[str, Any] = {}
-        self.called = asyncio.Event()  # vLLM asked the engine to generate
-        self.task: asyncio.Task | None = None
-        self._items: deque[Any] = deque()
-        self._ended = False
-        self._failure: BaseException | None = None
-        self._wake = asyncio.Event()
-        self._waiting = asyncio.Event()  # vLLM's generator waits for the next output
-
-    # -- the engine side -----------------------------------------------------------
-    def generate(self, engine_input: Any, params: Any, kwargs: dict[str, Any]) -> Any:
-        if self.called.is_set():
-            raise HTTPError(400, ONE_GENERATION, param="tools")
-        self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
-        self.called.set()
-        return self._outputs()
-
-    async def _outputs(self):
-        while True:
-            while self._items:
-                yield self._items.popleft()
-            if self._failure is not None:
-                raise self._failure
-            if self._ended:
-                return
-            self._wake.clear()
-            self._waiting.set()
-            await self._wake.wait()
-
-    # -- the filter side -----------------------------------------------------------
-    def start(self, serving: Any) -> None:
-        self.task = asyncio.ensure_future(self._run(serving))
-
-    async def _run(self, serving: Any) -> None:
-        sequence = -1  # of the last event sent
-        try:
-            result = await serving.create_responses(self.request)
-            if hasattr(result, "__aiter__"):
-                async for event in result:
-                    sequence = getattr(event, "sequence_number", sequence)
-                    self.frames.append(
-                        f"event: {getattr(event, 'type', 'unknown')}\ndata: "
-                        f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
-                    )
-            else:
-                self.result = result
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
-            self.error = exc
-            if self.request.stream:
-                # vLLM 0.33.0 meets an engine failure mid-stream by validating a chat-shaped
-                # error as a Responses event, which fails: its own server then cuts the stream
-                # with no event at all. The client gets the Responses error event instead; so
-                # too for any other failure (the store unreachable when the answer is stored).
-                if self._failure is None:
-                    log.warning("Responses stream %s failed: %r", self.request.request_id, exc)
-                self.frames.append(_error_event(self._failure or exc, sequence + 1))
-        finally:
-            _STAND_IN_SESSIONS.pop(self.request.request_id, None)
-
-    @property
-    def done(self) -> bool:
-        return self.task is not None and self.task.done()
-
-    def push(self, outputs: list[Any]) -> None:
-        if outputs:
-            self._items.extend(outputs)
-            self._resume()
-
-    def end(self) -> None:
-        self._ended = True
-        self._resume()
-
-    def fail(self, exc: BaseException) -> None:
-        self._failure = exc
-        self._resume()
-
-    def _resume(self) -> None:
-        self._waiting.clear()
-        self._wake.set()
-
-    async def settle(self) -> None:
-        """Until vLLM's task waits for the next output, or has ended."""
-        if self.task is None or self.task.done():
-            return
-        waiting = asyncio.ensure_future(self._waiting.wait())
-        try:
-            await asyncio.wait({waiting, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
-
-    async def until_called(self) -> None:
-        """Until vLLM asks the engine for outputs, or answers without (an error)."""
-        assert self.task is not None
-        called = asyncio.ensure_future(self.called.wait())
-        try:
-            await asyncio.wait({called, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            called.cancel()
-
-    def take_frames(self) -> bytes:
-        frames, self.frames = self.frames, []
-        return b"".join(frames)
-
-    def cancel(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-        _STAND_IN_SESSIONS.pop(self.request.request_id, None)
-
-
-def _error_event(failure: BaseException, sequence: int) -> bytes:
-    """The Responses API's ``error`` event for a failure (its status as the code)."""
-    error = failure if isinstance(failure, HTTPError) else from_exception(failure)  # type: ignore[arg-type]
-    if getattr(failure, "status_code", None):
-        error.status = int(failure.status_code)  # type: ignore[attr-defined]
-    data = {"type": "error", "code": str(error.status), "message": error.message, "param": error.param,
-            "sequence_number": sequence}
-    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-# The sessions of this process, by Responses request id (the engine request id is that plus "_N").
-_STAND_IN_SESSIONS: dict[str, Session] = {}
-
-
-class _ProducerEngine(_EngineStandIn):
-    """What ``OpenAIServingResponses`` reads of an engine: ``generate`` hands out a session's outputs."""
-
-    def generate(self, engine_input: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
-        session = _STAND_IN_SESSIONS.get(request_id.rsplit("_", 1)[0])
-        if session is None:
-            raise RuntimeError(f"no session for engine request {request_id}")
-        return session.generate(engine_input, params, kwargs)
-
 
 @functools.cache
 def serving_responses(model: Model) -> Any:
@@ -378,6 +229,7 @@ class ResponsesExchange(ChatExchange):
     stream_class = ResponsesStream
     full_response = staticmethod(response_object)
     endpoint = "responses"
+    operation = "responses"
 
     async def request_body(self, body: bytes) -> Rewrite:
         rewrite = await super().request_body(body)
@@ -385,9 +237,7 @@ class ResponsesExchange(ChatExchange):
         return rewrite
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        out = super().response_chunk(chunk, end)
-        if asyncio.iscoroutine(out):
-            out = await out
+        out = await super().response_chunk(chunk, end)
         if isinstance(self.stream, ResponsesStream):
             out += await self.stream.flush()
         return out
@@ -445,3 +295,25 @@ class StoredResponseExchange:
             error = HTTPError.from_vllm(result)
             return Reply(error.status, error.body())
         return Reply(200, dumps(result.model_dump(mode="json", by_alias=True)))
+
+
+async def stored_response(model: Model | None, method: str, rest: str) -> Reply:
+    """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: vLLM's answers (405 otherwise);
+    ``model``: the default backend's (None in render-tier mode)."""
+    cancel = rest.endswith("/cancel")
+    response_id = rest.removesuffix("/cancel")
+    if "/" in response_id or not response_id:
+        raise HTTPError(404, f"Route {method} {RESPONSES_PATH}/{rest} is not served here", "NotFoundError")
+    if method != ("POST" if cancel else "GET"):
+        raise HTTPError(405, "Method Not Allowed", "Method Not Allowed")
+    if model is None:
+        raise HTTPError(501, NOT_IN_TIER, "NotImplementedError")
+    return await StoredResponseExchange(model, response_id, cancel).answer()
+
+
+NOT_IN_TIER = (
+    "/v1/responses is not served in render-tier mode: vLLM's render tier renders Responses requests but "
+    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
+    "--model (the filter renders and derenders Responses itself), or use /v1/chat/completions."
+)
+ENDPOINT = Endpoint(RESPONSES_PATH, ResponsesExchange, not_in_tier=NOT_IN_TIER)

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
-from ..extproc.actions import Reply
+from ..exchange import Endpoint, Reply
 
 
 @functools.cache
@@ -51,3 +51,9 @@ class TokenizationExchange:
 
     def close(self, complete: bool) -> None:
         pass
+
+
+TOKENIZE = Endpoint("/tokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/tokenize", x_request_id))
+DETOKENIZE = Endpoint(
+    "/detokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/detokenize", x_request_id)
+)

@@ -1,1 +1,1 @@
-"""The Envoy protocol: the ext_proc gRPC server and what an exchange asks of it."""
+"""The Envoy protocol: the ext_proc gRPC server, its health service and its worker processes."""

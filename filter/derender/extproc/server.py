@@ -3,7 +3,7 @@
 Envoy sends request headers, the buffered request body, response headers and
 the response body chunks of one HTTP stream over one gRPC stream. This module
 turns those messages into calls on the exchange for the request's endpoint
-(``actions.Exchange``) and its answers into ext_proc responses. Requests the
+(``exchange.Exchange``) and its answers into ext_proc responses. Requests the
 filter answers itself (health, models, errors) get an ``immediate_response``
 before anything reaches a producer.
 """
@@ -11,7 +11,6 @@ before anything reaches a producer.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 import time
@@ -25,16 +24,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 
+from ..endpoints import registry
+from ..endpoints.router import Router
+from ..exchange import Exchange, Reply, ResponseStart, Rewrite
 from ..ops import auth, loopwatch, metrics
-from .actions import Exchange, ResponseStart, Rewrite
-from ..translate.errors import HTTPError, from_exception
-from ..health import add_health
-from ..translate.model import Model
-from ..routing.balance import RoutingSpec
-from ..routing.producer import UPSTREAM_HEADER
-from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE
-from ..routing.routes import STEERING_HEADERS, STEERING_PREFIX, Reply, Router, producers
 from ..ops.warmup import warm_up
+from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE, RoutingSpec
+from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, producers
+from ..routing.producer import UPSTREAM_HEADER
+from ..translate.errors import HTTPError, from_exception
+from ..translate.model import Model
+from .health import add_health
 
 log = logging.getLogger("derender.extproc")
 
@@ -132,7 +132,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     denied = auth.check(headers)
                     if denied is not None:  # before anything is routed, let alone sent to a producer
                         complete = True
-                        await write(_error(denied))
+                        await write(_error(registry.shaped(headers.get(":path", "/"), denied)))
                         return
                     routed = await self.router.route(headers, message.request_headers.end_of_stream)
                     if isinstance(routed, Reply):
@@ -174,9 +174,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_body" and exchange is not None:
                     body = message.response_body
                     if exchange.stream is not None:
-                        out = exchange.response_chunk(body.body, body.end_of_stream)
-                        if inspect.isawaitable(out):  # render-tier mode calls /derender per event
-                            out = await out
+                        out = await exchange.response_chunk(body.body, body.end_of_stream)
                         common = pb.CommonResponse(body_mutation=_body_mutation(out))
                     else:
                         out, status = await exchange.response_body(body.body)

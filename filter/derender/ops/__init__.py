@@ -1,1 +1,1 @@
-"""Running it: the local stack, workers, child processes, warm-up, metrics, logs, keys, assets."""
+"""Running it: metrics, logs, keys, warm-up, assets, Envoy configs, child processes."""

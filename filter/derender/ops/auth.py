@@ -9,7 +9,7 @@ constant time) on vLLM's guarded path prefixes (``/v1``, ``/inference``, ...;
 ``x-api-key`` instead, checked the same way. It runs on the request headers, so a
 refused request never reaches a producer. The 401 body is an OpenAI error
 object carrying vLLM's message, ``Unauthorized`` (vLLM itself sends the bare
-``{"error": "Unauthorized"}``).
+``{"error": "Unauthorized"}``), in Anthropic's shape on the Messages endpoints.
 
 ``configure`` runs once in ``derender serve`` before the workers fork.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..translate.errors import AnthropicHTTPError, HTTPError
+from ..translate.errors import HTTPError
 
 ENV = "DERENDER_API_KEYS"
 
@@ -59,6 +59,4 @@ def check(headers: dict[str, str]) -> HTTPError | None:
     key = headers.get("x-api-key")
     if key and _checker.verify_token(Headers(headers={"authorization": f"Bearer {key}"})):
         return None
-    if path.startswith("/v1/messages"):
-        return AnthropicHTTPError(401, "Unauthorized")
-    return HTTPError(401, "Unauthorized")
+    return HTTPError(401, "Unauthorized")  # the server shapes it as the path's endpoint does

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from ..ops.envoy_config import producer_cluster
 from ..translate.model import ModelSpec
 
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -172,8 +173,6 @@ def _check_unique(path: Path, entries: list[ModelEntry]) -> None:
 def envoy_clusters(entries: list[ModelEntry], routing: str = "least-request") -> str:
     """The producer clusters for ``envoy/multi.yaml``: one YAML list item per line, each
     balancing as its entry's ``routing`` (else ``routing``) asks."""
-    from ..ops.envoy_config import producer_cluster
-
     lines, done = [], set()
     for entry in entries:
         if entry.cluster in done:

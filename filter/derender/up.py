@@ -11,9 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import envoy_config
-from .. import health
-from .children import Child, free_port, http_ok
+from .ops import assets, envoy_config
+from .extproc import health
+from .ops.children import Child, free_port, http_ok
+from .routing.config import ConfigError, envoy_clusters, load
 
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -110,12 +111,8 @@ def simulated_cache(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import assets
-
     entries = None
     if getattr(args, "config", None):  # several models: their producers are in the file
-        from ..routing.config import ConfigError, envoy_clusters, load
-
         try:
             entries = load(args.config)
         except ConfigError as exc:
@@ -163,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if entries:
             clusters = envoy_clusters(entries, args.routing)
         elif len(urls) > 1 or args.routing != "least-request":  # local.yaml's producer cluster, balanced
-            # "producer": the cluster the filter names when it serves one model (routes.DEFAULT_CLUSTER)
+            # "producer": the cluster the filter names when it serves one model (routing.clusters.DEFAULT_CLUSTER)
             clusters = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, args.routing))
         config = envoy_config.render(
             "multi.yaml" if clusters else "local.yaml",

@@ -2,41 +2,35 @@
 
 A ``Backend`` is one served model: its names, how it is rendered (a local vLLM
 ``Model``, or a render tier URL) and the Envoy cluster of its producers.
-``Router.route`` looks at the request headers. Endpoints that need the body
-(``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``, ``/detokenize``)
-get a ``ModelExchange``: once the body is in, it picks the backend from the
-body's ``model`` and hands over to that backend's exchange for the endpoint; a
-request for a producer gets the ``x-derender-cluster`` header, which Envoy
-routes on after the route cache is cleared. Health and models are answered at
-once (a ``Reply``), without a producer round trip.
+``Router.route`` looks at the request headers. A path of the endpoint registry
+(``registry.ENDPOINTS``) gets a ``ModelExchange``: once the body is in, it picks
+the backend from the body's ``model`` and hands over to that backend's exchange
+for the endpoint; a request for a producer gets the ``x-derender-cluster`` header,
+which Envoy routes on after the route cache is cleared, and the producer replica
+that routing (``routing.balance``) chose. Health and models are answered at once
+(a ``Reply``), without a producer round trip.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Awaitable
+from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
+from ..exchange import Endpoint, Exchange, Reply, ResponseStart, Rewrite
 from ..ops import metrics
-from ..translate.errors import HTTPError, anthropic_error_body, dumps
+from ..routing.balance import Balancer, Decision, RoutingSpec
+from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
+from ..routing.producer import Producer
+from ..translate.errors import HTTPError, dumps
 from ..translate.model import Model
-from .balance import ENDPOINT_KEY, KEY_HEADER, Balancer, Decision, RoutingSpec
-from .producer import Producer, abort_replica_first
-from ..extproc.actions import Exchange, Reply, ResponseStart, Rewrite
+from . import rendertier
+from .completions import serving_completion
+from .registry import ENDPOINTS
+from .responses import RESPONSES_PATH, stored_response
 
-CLUSTER_HEADER = "x-derender-cluster"
-# Request headers that steer Envoy (which cluster, which replica): only the filter sets them. The
-# server removes the client's copies of these, and of every other x-derender-* header, on every path.
-STEERING_HEADERS = (CLUSTER_HEADER, KEY_HEADER, ENDPOINT_KEY)
-STEERING_PREFIX = "x-derender-"
-DEFAULT_CLUSTER = "producer"  # the producer cluster of envoy/local.yaml
-CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
-MESSAGES_PATH, COUNT_TOKENS_PATH = "/v1/messages", "/v1/messages/count_tokens"
-RESPONSES_PATH = "/v1/responses"
-BODY_PATHS = (CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH, "/tokenize", "/detokenize")
-ANTHROPIC_PATHS = (MESSAGES_PATH, COUNT_TOKENS_PATH)
 MODELS_PATH = "/v1/models"
 
 
@@ -45,29 +39,6 @@ def model_not_found(name: str, aliases: list[str]) -> HTTPError:
     return HTTPError(
         404, f"The model `{name}` does not exist. Valid aliases: {', '.join(aliases)}.", "NotFoundError", "model"
     )
-
-
-class ClusterProducers:
-    """The producers of one Envoy cluster. Envoy says which one it picked once the response
-    has started (``UPSTREAM_HEADER``); before that, or if that one cannot be reached, an
-    abort goes to all of them (vLLM ignores unknown ids)."""
-
-    def __init__(self, urls: list[str] | tuple[str, ...]) -> None:
-        self.producers = [Producer(url) for url in urls]
-
-    def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
-        self.producers[0].spawn(self.abort(request_id, why, upstream))
-
-    async def close(self) -> None:
-        for producer in self.producers:
-            await producer.close()
-
-    async def abort(self, request_id: str, why: str, upstream: str | None = None) -> bool:
-        return await abort_replica_first(self.producers[0], self.producers, request_id, why, upstream)
-
-
-def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
-    return Producer(urls[0]) if len(urls) == 1 else ClusterProducers(urls)
 
 
 class Backend:
@@ -82,62 +53,32 @@ class Backend:
         render_url: str | None = None,
         routing: str | None = None,
     ) -> None:
-        from ..endpoints.rendertier import RenderTier
-
         if (model is None) == (render_url is None):
             raise ValueError("a backend has either a local model or a render tier URL")
         self.names = list(names)
         self.producer = producer
         self.cluster = cluster
         self.model = model
-        self.tier = RenderTier(render_url) if render_url else None
+        self.tier = rendertier.RenderTier(render_url) if render_url else None
         self.routing = routing  # None: the server's --routing
         self.balancer: Balancer | None = None  # set by the Router
         if model is not None:  # built now, not on the first request
-            from ..endpoints.completions import serving_completion
-
             serving_completion(model)
 
     @classmethod
     def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> Backend:
         return cls(model.served_names, producer, cluster, model=model)
 
-    def exchange(self, path: str, x_request_id: str | None) -> Exchange:
-        """The exchange object for one request to ``path``."""
+    def exchange(self, endpoint: Endpoint, x_request_id: str | None) -> Exchange:
+        """The exchange object for one request to ``endpoint``."""
         if self.tier is not None:
-            from ..endpoints.rendertier import CHAT, COMPLETION, TierExchange, TierPassThrough
-
-            if path in (CHAT_PATH, COMPLETIONS_PATH):
-                return TierExchange(self.tier, CHAT if path == CHAT_PATH else COMPLETION, self.producer, x_request_id)
-            if path in ANTHROPIC_PATHS:
-                return NotServed(TIER_HAS_NO_MESSAGES)
-            if path == RESPONSES_PATH:
-                return NotServed(TIER_HAS_NO_RESPONSES, anthropic=False)
-            return TierPassThrough(self.tier, path, x_request_id)
+            served = rendertier.SERVED.get(endpoint.path)
+            if served is None:
+                message = endpoint.not_in_tier or f"{endpoint.path} is not served in render-tier mode"
+                return NotServed(endpoint.error(HTTPError(501, message, "NotImplementedError")))
+            return served(self.tier, self.producer, x_request_id)
         assert self.model is not None
-        if path == CHAT_PATH:
-            from ..endpoints.chat import ChatExchange
-
-            return ChatExchange(self.model, self.producer, x_request_id)
-        if path == COMPLETIONS_PATH:
-            from ..endpoints.completions import CompletionExchange
-
-            return CompletionExchange(self.model, self.producer, x_request_id)
-        if path == MESSAGES_PATH:
-            from ..endpoints.messages import MessagesExchange
-
-            return MessagesExchange(self.model, self.producer, x_request_id)
-        if path == COUNT_TOKENS_PATH:
-            from ..endpoints.messages import CountTokensExchange
-
-            return CountTokensExchange(self.model, x_request_id)
-        if path == RESPONSES_PATH:
-            from ..endpoints.responses import ResponsesExchange
-
-            return ResponsesExchange(self.model, self.producer, x_request_id)
-        from ..endpoints.tokenization import TokenizationExchange
-
-        return TokenizationExchange(self.model, path, x_request_id)
+        return endpoint.exchange(self.model, self.producer, x_request_id)
 
     async def models(self) -> list[dict[str, Any]]:
         """vLLM's model cards for this backend."""
@@ -147,34 +88,16 @@ class Backend:
         return (await self.model.registry.show_available_models()).model_dump()["data"]
 
 
-TIER_HAS_NO_MESSAGES = (
-    "/v1/messages is not served in render-tier mode: vLLM's render tier renders Messages requests but "
-    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
-    "--model (the filter renders and derenders Messages itself), or use /v1/chat/completions."
-)
-
-
-TIER_HAS_NO_RESPONSES = (
-    "/v1/responses is not served in render-tier mode: vLLM's render tier renders Responses requests but "
-    "its derender tier turns token ids into chat and completion streams only. Serve the model with "
-    "--model (the filter renders and derenders Responses itself), or use /v1/chat/completions."
-)
-
-
 class NotServed:
     """An endpoint this backend cannot serve: the error once the body is in."""
 
     stream = None
 
-    def __init__(self, message: str, status: int = 501, anthropic: bool = True) -> None:
-        self.message = message
-        self.status = status
-        self.anthropic = anthropic
+    def __init__(self, error: HTTPError) -> None:
+        self.error = error
 
     async def request_body(self, body: bytes) -> Reply:
-        if self.anthropic:
-            return Reply(self.status, anthropic_error_body(self.status, self.message))
-        return Reply.error(HTTPError(self.status, self.message, "NotImplementedError"))
+        return Reply.error(self.error)
 
     def close(self, complete: bool) -> None:
         pass
@@ -183,9 +106,9 @@ class NotServed:
 class ModelExchange:
     """Picks the backend from the body's ``model``, then hands everything to its exchange."""
 
-    def __init__(self, router: Router, path: str, x_request_id: str | None) -> None:
+    def __init__(self, router: Router, endpoint: Endpoint, x_request_id: str | None) -> None:
         self.router = router
-        self.path = path
+        self.endpoint = endpoint
         self.x_request_id = x_request_id
         self.inner: Exchange | None = None
         self.balancer: Balancer | None = None
@@ -196,14 +119,17 @@ class ModelExchange:
         return self.inner.stream if self.inner is not None else None
 
     async def request_body(self, body: bytes) -> Rewrite | Reply:
-        backend = self.router.backend_for(body)
-        self.inner = backend.exchange(self.path, self.x_request_id)
+        try:
+            backend = self.router.backend_for(body)
+        except HTTPError as exc:
+            raise self.endpoint.error(exc) from None
+        self.inner = backend.exchange(self.endpoint, self.x_request_id)
         result = await self.inner.request_body(body)
         if isinstance(result, Rewrite):
             result.set_headers[CLUSTER_HEADER] = backend.cluster
             # Envoy's access log prints this header in place of the rewritten path when present:
             # there, requests read as what the client asked for, not all as /inference/v1/generate.
-            result.set_headers["x-envoy-original-path"] = self.path
+            result.set_headers["x-envoy-original-path"] = self.endpoint.path
             if backend.balancer is not None:
                 began = time.thread_time()
                 headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt)
@@ -219,8 +145,8 @@ class ModelExchange:
             self.inner.routed = self.decision
         return self.inner.response_headers(status, upstream)
 
-    def response_chunk(self, chunk: bytes, end: bool) -> bytes | Awaitable[bytes]:
-        return self.inner.response_chunk(chunk, end)
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        return await self.inner.response_chunk(chunk, end)
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         return await self.inner.response_body(body)
@@ -281,12 +207,13 @@ class Router:
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
         try:
-            if path in BODY_PATHS:
+            endpoint = ENDPOINTS.get(path)
+            if endpoint is not None:
                 if method != "POST":
                     return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
                 if end_of_stream:
                     return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
-                return ModelExchange(self, path, headers.get("x-request-id"))
+                return ModelExchange(self, endpoint, headers.get("x-request-id"))
             if path in ("/health", "/ping") and method == "GET":
                 return Reply(200, b"")
             if path == MODELS_PATH and method == "GET":
@@ -294,25 +221,10 @@ class Router:
             if path.startswith(MODELS_PATH + "/") and method == "GET":
                 return await self._card(unquote(path[len(MODELS_PATH) + 1 :]))
             if path.startswith(RESPONSES_PATH + "/"):
-                return await self._stored_response(method, unquote(path[len(RESPONSES_PATH) + 1 :]))
+                return await stored_response(self.backends[0].model, method, unquote(path[len(RESPONSES_PATH) + 1 :]))
         except HTTPError as exc:
             return Reply.error(exc)
         return Reply.error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))
-
-    async def _stored_response(self, method: str, rest: str) -> Reply:
-        """``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``: vLLM's answers (405 otherwise)."""
-        cancel = rest.endswith("/cancel")
-        response_id = rest.removesuffix("/cancel")
-        if "/" in response_id or not response_id:
-            raise HTTPError(404, f"Route {method} {RESPONSES_PATH}/{rest} is not served here", "NotFoundError")
-        if method != ("POST" if cancel else "GET"):
-            raise HTTPError(405, "Method Not Allowed", "Method Not Allowed")
-        backend = self.backends[0]
-        if backend.model is None:
-            raise HTTPError(501, TIER_HAS_NO_RESPONSES, "NotImplementedError")
-        from ..endpoints.responses import StoredResponseExchange
-
-        return await StoredResponseExchange(backend.model, response_id, cancel).answer()
 
     async def _cards(self) -> list[dict[str, Any]]:
         cards: list[dict[str, Any]] = []

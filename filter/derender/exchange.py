@@ -1,13 +1,17 @@
 """The contract between the ext_proc server and the object that serves one HTTP stream
-(``Exchange``), and what an exchange asks of the Envoy protocol: rewrite the request, change the
-response's start, or answer at once (Envoy's immediate response)."""
+(``Exchange``), what an exchange asks of the Envoy protocol (rewrite the request, change the
+response's start, or answer at once: Envoy's immediate response), and what one API path is
+(``Endpoint``, listed in ``endpoints.registry``).
+
+The bottom of the package: everything else may import it; it imports only ``translate.errors``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Protocol
 
-from ..translate.errors import HTTPError
+from .translate.errors import AnthropicHTTPError, HTTPError
 
 
 @dataclass
@@ -61,8 +65,13 @@ class Exchange(Protocol):
 
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart: ...
 
-    def response_chunk(self, chunk: bytes, end: bool) -> bytes | Awaitable[bytes]:
-        """Client bytes for one producer body chunk (render-tier mode awaits its /derender calls)."""
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        """Client bytes for one producer body chunk.
+
+        Always a coroutine (render-tier mode awaits its /derender calls): awaiting one costs
+        0.22-0.36 us per chunk here, less than a plain call followed by ``inspect.isawaitable``
+        (0.44-0.58 us), the previous contract.
+        """
         ...
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
@@ -70,3 +79,19 @@ class Exchange(Protocol):
         ...
 
     def close(self, complete: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One API path the filter serves: what ``endpoints.registry`` lists, one line each."""
+
+    path: str
+    # (Model, producer, x-request-id) -> the Exchange of one request, for a model served here
+    exchange: Callable[[Any, Any, str | None], Exchange]
+    anthropic: bool = False  # its clients read errors in Anthropic's shape
+    # Why render-tier mode (``--render-url``) cannot serve it, unless ``endpoints.rendertier`` does.
+    not_in_tier: str = ""
+
+    def error(self, exc: HTTPError) -> HTTPError:
+        """``exc`` in the shape this endpoint's clients read."""
+        return AnthropicHTTPError.of(exc) if self.anthropic else exc

@@ -5,7 +5,7 @@ probes, ``derender up`` and the compose file all ask it. The filter loads its
 model before it opens the port, so it answers ``SERVING`` as soon as it
 listens, and ``NOT_SERVING`` once it starts draining on SIGTERM.
 
-``python -m derender.health HOST:PORT`` checks a filter from a shell (exit 0
+``python -m derender.extproc.health HOST:PORT`` checks a filter from a shell (exit 0
 when it is serving): the compose health check uses it.
 """
 
@@ -45,7 +45,7 @@ def check(address: str, service: str = "", timeout: float = 2.0) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not 1 <= len(args) <= 2:
-        print("usage: python -m derender.health HOST:PORT [SERVICE]", file=sys.stderr)
+        print("usage: python -m derender.extproc.health HOST:PORT [SERVICE]", file=sys.stderr)
         return 2
     ok = check(*args)
     print("SERVING" if ok else "NOT SERVING")

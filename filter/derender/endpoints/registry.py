@@ -1,0 +1,33 @@
+"""The endpoints the filter serves: one line each.
+
+An endpoint is one module of this folder that defines its exchange (the ``exchange.Exchange``
+that serves one request) and its ``exchange.Endpoint``: the path, how to build the exchange and
+the error shape its clients read. Adding one is that module plus its line below; the router
+(``router.Router``) serves every path listed here, renders it with the body's model, and sends
+it on to that model's producers. Render-tier mode serves what ``rendertier.SERVED`` lists.
+"""
+
+from __future__ import annotations
+
+from ..exchange import Endpoint
+from ..translate.errors import HTTPError
+from . import chat, completions, messages, responses, tokenization
+
+ENDPOINTS: dict[str, Endpoint] = {
+    endpoint.path: endpoint
+    for endpoint in (
+        chat.ENDPOINT,
+        completions.ENDPOINT,
+        messages.ENDPOINT,
+        messages.COUNT_TOKENS,
+        responses.ENDPOINT,
+        tokenization.TOKENIZE,
+        tokenization.DETOKENIZE,
+    )
+}
+
+
+def shaped(path: str, exc: HTTPError) -> HTTPError:
+    """``exc`` in the error shape of the endpoint at ``path`` (OpenAI's where none is)."""
+    endpoint = ENDPOINTS.get(path.split("?", 1)[0])
+    return endpoint.error(exc) if endpoint is not None else exc
