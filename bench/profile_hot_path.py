@@ -98,7 +98,7 @@ async def measure(model, model_dir: str, lengths: list[int], repeat: int, profil
         await one_stream(model, producer, chat, frames)
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=text).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_ROWS", "25")))
         result["profile"] = text.getvalue()
     await producer.close()
     return result

@@ -137,6 +137,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .translate import stall
 
     stall.STALL_TIMEOUT = args.stall_timeout
+    from .translate import lean
+
+    lean.ENABLED = args.stream_path == "lean"
     from .extproc import server as extproc
 
     extproc.DRAIN_TIMEOUT = args.drain_timeout
@@ -282,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a stored response is kept (default: 30 days)",
     )
+    serve.add_argument(
+        "--stream-path",
+        choices=("lean", "vllm"),
+        default=os.environ.get("DERENDER_STREAM_PATH") or "lean",
+        help="chat streams: 'lean' (default) does the events between the first and the last itself, with "
+        "vLLM's parsers, and sends vLLM's bytes (proven by tests/test_lean.py); 'vllm' runs vLLM's chat "
+        "stream generator for every event (default: $DERENDER_STREAM_PATH, else lean)",
+    )
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(
         "--reasoning-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM reasoning parser"
@@ -310,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS)",
     )
     up.add_argument("--responses-store", default=None, metavar="URL", help="the filter's --responses-store (Redis URL)")
+    up.add_argument("--stream-path", choices=("lean", "vllm"), default=None,
+                    help="the filter's --stream-path (default: its default, lean)")
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.add_argument("--replicas", type=int, default=1,
                     help="simulated producer replicas in one Envoy cluster (without --producer; default 1); with "

@@ -152,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
         if getattr(args, "responses_store", None):
             keys += ["--responses-store", args.responses_store]
+        if getattr(args, "stream_path", None):
+            keys += ["--stream-path", args.stream_path]
         flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port),
                                      "--producer", ",".join(urls), *routing, *workers, *metrics, *keys])
         flt.wait(lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads

@@ -15,6 +15,7 @@ from copy import copy
 from typing import Any
 
 from ..ops import logs
+from ..translate import lean
 from ..translate.collect import Collected
 from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from ..translate.errors import INCOMPLETE, HTTPError, from_exception
@@ -112,12 +113,19 @@ class ChatExchange(ProducerExchange):
         if self.rendered is None or self._ready is not None or self.stream is not None:
             return
         try:
-            ready = self.stream_class(self.model, self.rendered)
+            ready = self.new_stream()
             ready.start()
         except Exception:  # built again at the response headers, failing where it always did
             log.debug("stream state not built ahead", exc_info=True)
             return
         self._ready = ready
+
+    def new_stream(self) -> ChatStream:
+        """This request's stream state: chat's lean path where it serves the request (``lean``)."""
+        assert self.rendered is not None
+        if self.stream_class is ChatStream and lean.eligible(self.model, self.rendered):
+            return lean.LeanChatStream(self.model, self.rendered)
+        return self.stream_class(self.model, self.rendered)
 
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
@@ -127,7 +135,7 @@ class ChatExchange(ProducerExchange):
         self.response_started(status, upstream)
         ready, self._ready = self._ready, None
         if status == 200 and self.rendered.stream:
-            self.stream = ready or self.stream_class(self.model, self.rendered)
+            self.stream = ready or self.new_stream()
             self.watch_stalls()
             return ResponseStart(
                 {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"},

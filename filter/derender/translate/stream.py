@@ -51,6 +51,7 @@ class ChatStream:
 
     producer_cached_tokens: int | None = None  # the producer's usage says (prefix cache hits)
     _usage_seen = False  # the producer's final usage event came
+    _taken = 0  # outputs vLLM's generator has taken
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self.outputs = choice_outputs(model, rendered, stream=True)
@@ -102,6 +103,7 @@ class ChatStream:
     async def _results(self):
         while True:
             while self._queue:
+                self._taken += 1
                 yield self._queue.popleft()
             if self._failure is not None:  # the engine failed, as vLLM's generators see it
                 raise self._failure

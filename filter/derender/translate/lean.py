@@ -1,0 +1,198 @@
+"""The lean per-token path of a chat stream: vLLM's parsers, vLLM's bytes, without its generator per token.
+
+``ChatStream`` runs vLLM's ``chat_completion_stream_generator`` for every producer event: per
+token it steps the generator, builds a ``ChatCompletionStreamResponse`` and a choice (pydantic
+validation, vLLM's extra-field logging) and dumps them. ``LeanChatStream`` keeps that generator
+for what is rare or intricate -- the first event (role chunk, first delta), the event that
+finishes the choice (finish reason, stop reason, tool-call cleanup), usage, errors -- and does
+the middle events, which carry no finish reason, itself, the way the generator's loop does them:
+
+- the same ``ChatStreamProcessor`` objects, taken from the generator's own frame once it has built
+  them, so vLLM's reasoning and tool parsers do every step (their state is the generator's);
+- the parser's ``DeltaMessage`` serialized by its own pydantic serializer, put between the two
+  halves of a chunk that vLLM's models serialized once per stream (a marker delta cut out).
+
+It serves what the generator's middle branch makes of such an event when no per-token extra is
+asked for: ``n`` 1, no ``logprobs``, ``echo``, ``return_token_ids``, ``return_prompt_text`` or
+continuous usage stats, no output logging (``eligible``). Anything else, or a generator whose
+frame does not hold what is expected, takes vLLM's path for the whole stream. A parser that
+raises is handed to the generator as its failure, which it answers as it answers its own.
+``tests/test_lean.py`` runs both paths over generated streams for every shipped tokenizer and
+parser configuration and demands identical bytes. ``derender serve --stream-path vllm`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .model import Model
+from .render import Rendered
+from .stream import ChatStream
+
+log = logging.getLogger("derender.lean")
+
+PATHS = ("lean", "vllm")
+ENABLED = True  # derender serve --stream-path lean (the default) | vllm
+_MARK = "\x00derender-delta\x00"
+
+
+def eligible(model: Model, rendered: Rendered) -> bool:
+    """The request asks for nothing per token that the lean path leaves to vLLM's generator."""
+    if not ENABLED:
+        return False
+    from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+
+    request = rendered.request
+    serving = model.serving_chat
+    if (request.n or 1) != 1 or request.logprobs or request.echo:
+        return False
+    if getattr(request, "return_token_ids", False) or getattr(request, "return_prompt_text", False):
+        return False
+    if serving.enable_log_outputs and serving.request_logger is not None:
+        return False
+    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
+    return not continuous
+
+
+class _Frame:
+    """What the lean path takes from vLLM's running generator, and the chunk's two halves."""
+
+    __slots__ = ("processors", "generated", "reasoning_details", "head", "tail")
+
+    def __init__(self, raw: Any, serving: Any) -> None:
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        local = raw.ag_frame.f_locals  # KeyError / AttributeError: not the generator expected
+        self.processors = local["processors"]
+        self.generated = local["generated_token_ids"]
+        self.reasoning_details = bool(serving._include_reasoning_tokens_details)
+        # The chunk of the generator's middle branch, with a marker for the delta: vLLM's models
+        # serialize everything around the delta once, here, exactly as they would every time.
+        chunk = ChatCompletionStreamResponse(
+            id=local["request_id"],
+            object=local["chunk_object_type"],
+            created=local["created_time"],
+            choices=[
+                ChatCompletionResponseStreamChoice(
+                    index=0, delta=DeltaMessage(content=_MARK), logprobs=None, finish_reason=None, token_ids=None
+                )
+            ],
+            model=local["model_name"],
+            kv_transfer_params=None,  # the generator sets it (None) on every token chunk
+        )
+        text = chunk.model_dump_json(exclude_unset=True, exclude_none=not chunk.choices)
+        marker = DeltaMessage(content=_MARK).model_dump_json(exclude_unset=True)
+        head, tail = text.split(marker)  # ValueError unless the marker is there exactly once
+        self.head = b"data: " + head.encode()
+        self.tail = tail.encode() + b"\n\n"
+
+
+class LeanChatStream(ChatStream):
+    """A ``ChatStream`` whose middle events skip vLLM's generator (see the module's text)."""
+
+    def __init__(self, model: Model, rendered: Rendered) -> None:
+        self._raw: Any = None
+        self._frame: _Frame | None | bool = None  # False: vLLM's path for the whole stream
+        self._lean: list[bytes] = []
+        self.handled = 0  # outputs the lean path did itself
+        super().__init__(model, rendered)
+
+    def _generator(self, model: Model, rendered: Rendered):
+        """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
+        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+
+        request = rendered.request
+        serving = self._serving(model)
+        self._serving_chat = serving
+        self._raw = serving.chat_completion_stream_generator_raw(
+            request,
+            self._results(),
+            rendered.request_id,
+            request.model or model.name,
+            rendered.conversation,
+            model.tokenizer,
+            RequestResponseMetadata(request_id=rendered.request_id),
+            chat_template_kwargs=rendered.chat_template_kwargs,
+        )
+        return _serialized(serving, self._raw)
+
+    def _accept(self, outputs: list[Any]) -> None:
+        for res in outputs:
+            if self._queue or not self._taken:
+                self._queue.append(res)
+                continue
+            data = self._middle(res)
+            if data is None:
+                self._queue.append(res)
+            else:
+                self._lean.append(data)
+
+    def _pump(self) -> bytes:
+        if not self._lean:
+            return super()._pump()
+        lean = b"".join(self._lean)
+        self._lean.clear()
+        return lean + super()._pump()
+
+    def _middle(self, res: Any) -> bytes | None:
+        """Client bytes for one output that finishes nothing, as the generator's loop makes them;
+        None: the generator takes it."""
+        from vllm.utils.collection_utils import as_list
+
+        frame = self._frame
+        if frame is None:
+            frame = self._frame = self._take_frame()
+        if frame is False or self._failure is not None or len(res.outputs) != 1:
+            return None
+        output = res.outputs[0]
+        if output.finish_reason is not None:
+            return None
+        self.handled += 1
+        processor = frame.processors[output.index]
+        text, ids = output.text, output.token_ids
+        if not text and not ids and not processor.num_output_tokens:
+            return b""  # the generator's "chunked prefill" case: nothing to send
+        try:
+            delta, _ = processor.step(text, as_list(ids), None, res.prompt_token_ids)
+        except Exception as exc:  # the generator's own answer to a failing parser: its error chunk
+            self._failure = exc
+            return b""
+        if processor.parser is not None and frame.reasoning_details:
+            frame.generated[output.index].extend(ids)
+        if delta is None:
+            return b""
+        return frame.head + delta.__pydantic_serializer__.to_json(delta, exclude_unset=True) + frame.tail
+
+    def _take_frame(self) -> _Frame | bool:
+        try:
+            return _Frame(self._raw, self._serving_chat)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            log.warning("vLLM's chat stream generator is not as expected: its path for this stream", exc_info=True)
+            return False
+
+
+async def _serialized(serving: Any, raw: Any):
+    """vLLM's ``OpenAIServingChat.chat_completion_stream_generator`` around ``raw``: each chunk as
+    an SSE frame (errors whole, chunks without unset fields), a failure as its error frame, then
+    ``[DONE]``."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    try:
+        async for chunk in raw:
+            if isinstance(chunk, ErrorResponse):
+                data = chunk.model_dump_json()
+            else:
+                data = chunk.model_dump_json(exclude_unset=True, exclude_none=not chunk.choices)
+            yield f"data: {data}\n\n"
+    except Exception as e:
+        logging.getLogger("vllm.entrypoints.openai.chat_completion.serving").exception(
+            "Error serializing chat completion stream."
+        )
+        data = serving.create_streaming_error_response(e)
+        yield f"data: {data}\n\n"
+    yield "data: [DONE]\n\n"

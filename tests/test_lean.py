@@ -1,0 +1,266 @@
+"""The lean chat path (``translate/lean.py``) against vLLM's: the same bytes for any stream.
+
+For every tokenizer and parser configuration the parity suite serves (qwen3 + hermes,
+deepseek-r1, gpt-oss's Harmony parsers, qwen3 without parsers), hypothesis draws an answer
+(reasoning, content and tool calls of any text, in the model's own markup, or none of it), the
+request's options (usage, tool_choice, parallel_tool_calls, include_reasoning, thinking off,
+stop strings, max_tokens) and how the engine cut it into events (any sizes, a finish-only tail,
+a length cut). The same producer events go through ``ChatStream`` (vLLM's generator for every
+event) and ``LeanChatStream``; the client bytes must be identical, and the lean stream must have
+done the middle events itself (so the test compares two paths, not one with itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pydantic_core
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from parity_cases import ANSWERS, PARIS, TOOLS
+from parity_paths import ASSET, MAX_MODEL_LEN, MODELS
+
+from derender.ops import assets
+
+_MODELS: dict = {}
+
+
+def served(name: str):
+    """The ``Model`` of one parity configuration, built from the flags ``derender serve`` gets."""
+    if name not in _MODELS:
+        from derender.cli import build_parser, model_spec
+        from derender.translate.model import Model
+
+        model_dir = str(assets.fetch(ASSET.get(name, name), quiet=True))
+        args = build_parser().parse_args(
+            ["serve", "--model", model_dir, "--served-model-name", name, "--max-model-len", MAX_MODEL_LEN, *MODELS[name]]
+        )
+        _MODELS[name] = (Model(model_spec(args)), ANSWERS[name](model_dir))
+    return _MODELS[name]
+
+
+def render(model, body: dict):
+    from derender.translate.render import render_chat
+
+    return asyncio.run(render_chat(model, json.dumps(body).encode(), "lean-diff"))
+
+
+def events(ids: list[int], sizes: list[int], tail: bool, finish: str) -> list[bytes]:
+    """The producer's SSE payloads for one choice: ``ids`` cut by ``sizes`` (cycled), then usage."""
+    groups, at, k = [], 0, 0
+    while at < len(ids):
+        size = sizes[k % len(sizes)]
+        groups.append(ids[at : at + size])
+        at, k = at + size, k + 1
+    if tail or not groups:
+        groups.append([])
+    payloads = []
+    for i, group in enumerate(groups):
+        last = i == len(groups) - 1
+        choice = {"index": 0, "finish_reason": finish if last else None, "stop_reason": None, "token_ids": group,
+                  "routed_experts": None, "sampling_mask": None, "weight_versions": None, "logprobs": None}
+        payloads.append(pydantic_core.to_json(
+            {"request_id": "generate-tokens-lean-diff", "usage": None, "output_mode": "tokens", "choices": [choice]}))
+    usage = {"prompt_tokens": 9, "total_tokens": 9 + len(ids), "completion_tokens": len(ids)}
+    payloads.append(pydantic_core.to_json(
+        {"request_id": "generate-tokens-lean-diff", "usage": usage, "output_mode": "tokens", "choices": []}))
+    return payloads + [b"[DONE]"]
+
+
+def run(stream, payloads: list[bytes]) -> bytes:
+    """What the client gets from one stream object fed these events, as the exchange feeds it."""
+    async def go() -> bytes:
+        stream.start()
+        out = [stream.feed(p)[0] for p in payloads]
+        if not stream.finished:
+            out.append(stream.end())
+        return b"".join(out)
+
+    return asyncio.run(go())
+
+
+CREATED = re.compile(rb'"created":\d+')
+TOOL_CALL_ID = re.compile(rb'"id":"(chatcmpl-tool|call)[_-][0-9a-zA-Z-]{8,}"')  # random per call, in vLLM too
+
+
+def normal(data: bytes) -> bytes:
+    return TOOL_CALL_ID.sub(b'"id":"call-id"', CREATED.sub(b'"created":0', data))
+
+
+def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int]:
+    """(vLLM's bytes, the lean path's bytes, middle events the lean path did itself)."""
+    from derender.translate import lean
+    from derender.translate.stream import ChatStream
+
+    reference, rendered = render(model, body), render(model, body)
+    assert reference.request_id == rendered.request_id
+    assert lean.eligible(model, rendered), body
+    lean_stream = lean.LeanChatStream(model, rendered)
+    vllm_bytes = run(ChatStream(model, reference), payloads)
+    lean_bytes = run(lean_stream, payloads)
+    # ``created`` is the second each generator started in, tool call ids are random: all else is equal.
+    return normal(vllm_bytes), normal(lean_bytes), lean_stream.handled
+
+
+# Text that stresses detokenization and the parsers: multi-byte characters, markup look-alikes,
+# JSON punctuation, whitespace runs.
+ALPHABET = st.sampled_from(list("ab Z09 \n\t.,:;!?\"'\\{}[]<>/=_-") + ["é", "ß", "巴黎", "東京", "🤖", "🇫🇷", "☔",
+                                                                        "🧑‍🚀", "</", "<think>", "</think>", "<tool_call>",
+                                                                        "{\"", "\"}", "  ", "\u00a0", "\u2028"])
+TEXT = st.lists(ALPHABET, max_size=24).map("".join)
+CALL = st.tuples(st.sampled_from(["get_weather", "get_time"]),
+                 st.one_of(st.just(PARIS), st.dictionaries(st.sampled_from(["city", "tz", "note"]), TEXT, max_size=2)))
+
+
+@st.composite
+def streams(draw, name: str):
+    _, answers = served(name)
+    tools = answers.tools
+    think = draw(st.booleans()) if name in ("qwen3", "qwen3-no-parser") else True
+    reasoning = draw(st.one_of(st.none(), TEXT))
+    content = draw(TEXT)
+    calls = draw(st.lists(CALL, max_size=2)) if name != "deepseek-r1" else []
+    if not calls and not content and reasoning is None:
+        content = "ok"
+    ids = answers.answer(reasoning, content, calls, end=True, think=think)
+    if draw(st.integers(0, 5)) == 0:  # any ids at all, special tokens included, then the model's EOS
+        vocab = served(name)[0].model_config.get_vocab_size()
+        ids = draw(st.lists(st.integers(0, vocab - 1), max_size=30)) + [answers.eos]
+    finish = "stop"
+    cut = draw(st.one_of(st.none(), st.integers(1, max(1, len(ids) - 1))))
+    if cut is not None and cut < len(ids):
+        ids, finish = ids[:cut], "length"
+    tail = finish == "stop" and draw(st.booleans())
+    if tail:  # a finish-only tail event reports the stop, its token unsent (as the parity cases do)
+        ids = ids[:-1]
+    sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=6))
+    body: dict = {"model": name, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                  "stream": True, "max_tokens": 2000}
+    if draw(st.booleans()):
+        body["stream_options"] = {"include_usage": True}
+    if tools and draw(st.booleans()):
+        body["tools"] = TOOLS
+        body["tool_choice"] = draw(st.sampled_from(
+            ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}]))
+        body["parallel_tool_calls"] = draw(st.booleans())
+    if draw(st.integers(0, 3)) == 0:
+        body["include_reasoning"] = False
+    if not think:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    if content and draw(st.integers(0, 4)) == 0:
+        word = content[len(content) // 3 : len(content) // 3 + 2].strip()
+        if word:
+            body["stop"] = [word]
+    return body, events(ids, sizes, tail, finish)
+
+
+NAMES = list(MODELS)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lean_path_sends_vllms_bytes(name):
+    model, _ = served(name)
+    done = []
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(streams(name))
+    def check(drawn):
+        body, payloads = drawn
+        vllm_bytes, lean_bytes, handled = both_paths(model, body, payloads)
+        assert lean_bytes == vllm_bytes, body
+        done.append(handled)
+
+    check()
+    # The lean path did its share: the middle events of most streams (a few are too short to have any).
+    assert sum(1 for h in done if h) >= len(done) // 2, done
+
+
+def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
+    """vLLM's generator answers a parser's exception with its error chunk; the lean path hands the
+    exception to the generator, so the client gets the same."""
+    model, answers = served("qwen3")
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True, "tools": TOOLS}
+    ids = answers.answer("thinking it over", "Sunny.", [("get_weather", PARIS)])
+    payloads = events(ids, [1], False, "stop")
+    parser_cls = type(model.serving_chat._make_parser(render(model, body).request, model.tokenizer, None))
+    real = parser_cls.parse_delta
+    calls = {"n": 0}
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % 1000 == 7:  # the seventh call of each stream
+            raise RuntimeError("parser broke")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(parser_cls, "parse_delta", failing)
+    from derender.translate import lean
+    from derender.translate.stream import ChatStream
+
+    reference, rendered = render(model, body), render(model, body)
+    vllm_bytes = run(ChatStream(model, reference), payloads)
+    calls["n"] = 1000
+    stream = lean.LeanChatStream(model, rendered)
+    lean_bytes = run(stream, payloads)
+    assert b"parser broke" in vllm_bytes and vllm_bytes.endswith(b"data: [DONE]\n\n")
+    assert normal(lean_bytes) == normal(vllm_bytes)
+    assert stream.handled >= 5
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"echo": True}, {"return_token_ids": True},
+                                   {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}])
+def test_what_the_lean_path_leaves_to_vllm(extra):
+    from derender.endpoints.chat import ChatExchange
+    from derender.translate import lean
+
+    model, _ = served("qwen3")
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True, **extra}
+    exchange = ChatExchange(model, None, None)
+    exchange.rendered = render(model, body)
+    assert not lean.eligible(model, exchange.rendered)
+    assert type(exchange.new_stream()).__name__ == "ChatStream"
+    plain = {k: v for k, v in body.items() if k not in extra}
+    exchange.rendered = render(model, plain)
+    assert type(exchange.new_stream()) is lean.LeanChatStream
+
+
+def test_stream_path_vllm_turns_it_off(monkeypatch):
+    from derender.endpoints.chat import ChatExchange
+    from derender.translate import lean
+
+    model, _ = served("qwen3")
+    exchange = ChatExchange(model, None, None)
+    exchange.rendered = render(model, {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert type(exchange.new_stream()) is lean.LeanChatStream
+    monkeypatch.setattr(lean, "ENABLED", False)
+    assert type(exchange.new_stream()).__name__ == "ChatStream"
+
+
+def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):
+    """The real thing: one filter on each path (``--stream-path lean`` and ``vllm``) behind its own
+    Envoy, the same scripted answer (reasoning, content, a tool call, cut into uneven events)."""
+    from stack import Stack
+
+    model, answers = served("qwen3")
+    ids = answers.answer("Paris, then Tokyo 🤔", "Checking 東京.", [("get_weather", PARIS)])
+    script.set({"index": 0, "token_ids": ids, "chunks": [1, 2, 1, 3, 1]})
+    flags = ["--served-model-name", "qwen3", "--max-model-len", "4096", *MODELS["qwen3"]]
+    sim = ["--mode", "script", "--script", str(script.path)]
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "weather?"}], "stream": True, "tools": TOOLS,
+            "stream_options": {"include_usage": True}}
+    got = {}
+    for path in ("lean", "vllm"):
+        stack = Stack(qwen3_dir, [*flags, "--stream-path", path], sim).start()
+        try:
+            import httpx
+
+            with httpx.stream("POST", stack.base_url + "/chat/completions", json=body, timeout=60,
+                              headers={"x-request-id": "e2e-lean"}) as r:
+                assert r.status_code == 200
+                got[path] = normal(r.read())
+        finally:
+            stack.stop()
+    assert got["lean"] == got["vllm"]
+    assert got["lean"].count(b"data: ") > 20 and b'"tool_calls"' in got["lean"] and b"[DONE]" in got["lean"]
