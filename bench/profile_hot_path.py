@@ -6,7 +6,7 @@ body chunk -- after a real ``request_body`` render, in this process, and reports
 CPU microseconds per token for each length. ``--profile`` adds cProfile's top
 functions for the longest stream.
 
-    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile
+    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile [--stream-path vllm]
 """
 
 from __future__ import annotations
@@ -111,12 +111,20 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean",
+                        help="as derender serve --stream-path (default lean)")
     parser.add_argument("--when-told", action="store_true", help="load, print 'loaded', measure after a line on stdin")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     lengths = [int(x) for x in args.lengths.split(",")]
     model = hermes_model(model_dir)
+    try:
+        from derender.translate import lean
+
+        lean.ENABLED = args.stream_path == "lean"
+    except ImportError:  # a tree from before the lean path (an A/B against it)
+        pass
     if args.when_told:
         print("loaded", flush=True)
         sys.stdin.readline()

@@ -10,6 +10,7 @@ NAMES = {
     "echo-fds": "Envoy + echo ext_proc, FDS",
     "plain": "Envoy + derender, Qwen3",
     "hermes": "Envoy + derender, qwen3 + hermes",
+    "hermes-vllm": "Envoy + derender, qwen3 + hermes, --stream-path vllm",
     "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
     "vllm-coupled": "vLLM coupled API server, qwen3 + hermes (asked directly)",
 }

@@ -125,7 +125,8 @@ class Bench:
         self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
         model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
         workers = ["--workers", str(self.args.workers)]
-        ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "plain", "hermes", "hermes-fds",
+        ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "plain", "hermes", "hermes-vllm",
+                                                   "hermes-fds",
                                                    "vllm", "vllm-render", "coupled")}
         self.sim_url = sim_url = f"http://127.0.0.1:{ports['sim']}"
         self.vllm_sim_url = f"http://127.0.0.1:{ports['sim-vllm']}"
@@ -157,13 +158,17 @@ class Bench:
             "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers]),
             "hermes": p.Proc("filter-hermes", [*derender, "serve", *model, *HERMES_FLAGS, "--port", str(ports["hermes"]),
                                                "--producer", sim_url, *workers]),
+            # The same filter on vLLM's stream path for every event (--stream-path vllm): the lean path's before.
+            "hermes-vllm": p.Proc("filter-hermes-vllm", [*derender, "serve", *model, *HERMES_FLAGS, "--port",
+                                                         str(ports["hermes-vllm"]), "--producer", sim_url, *workers,
+                                                         "--stream-path", "vllm"]),
             "hermes-fds": p.Proc("filter-hermes-fds", [p.PYTHON, str(BENCH / "fds_extproc.py"), *model, *HERMES_FLAGS,
                                                        "--port", str(ports["hermes-fds"]), "--producer", sim_url, *workers]),
         }
         for proc in started.values():
             self.procs.append(proc.start())
         self.start_hot_path()
-        log(f"starting 2 simulators, 2 echo servers, 3 filters, 2 vLLM render servers and vLLM's coupled server "
+        log(f"starting 2 simulators, 2 echo servers, 4 filters, 2 vLLM render servers and vLLM's coupled server "
             f"(logs in {p.LOGS})")
         self.sim, self.vllm = started["sim"], started["vllm"]
         for name in ("sim", "sim-vllm"):
@@ -171,7 +176,7 @@ class Bench:
         for name in ("vllm", "vllm-render", "coupled"):
             started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 600)
         self.vllm_thread = threading.Thread(target=self.vllm_derender, name="vllm-derender", daemon=True)
-        for name in ("echo", "echo-fds", "plain", "hermes", "hermes-fds"):
+        for name in ("echo", "echo-fds", "plain", "hermes", "hermes-vllm", "hermes-fds"):
             started[name].wait(lambda port=ports[name]: p.tcp_open(port), 600)
         envoys = {
             "envoy": p.start_envoy("envoy-alone", ports["sim"], None),
@@ -179,6 +184,7 @@ class Bench:
             "echo-fds": p.start_envoy("envoy-echo-fds", ports["sim"], ports["echo-fds"], full_duplex=True),
             "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"]),
             "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"]),
+            "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"]),
             "hermes-fds": p.start_envoy("envoy-hermes-fds", ports["sim"], ports["hermes-fds"], full_duplex=True),
         }
         for envoy in envoys.values():

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/stream_interval.py                  # 1, 2, 4, 8; writes bench/STREAM_INTERVAL.md
     .venv/bin/python bench/stream_interval.py --intervals 1 4 --streams 16 --out -   # a quick look
+    .venv/bin/python bench/stream_interval.py --intervals 1 --stream-paths lean vllm --rounds 5 --out -
 
 One simulator paced like a decoding GPU (``--delay`` per engine step, one token a step; with
 ``stream_interval`` N it sends an event every N steps, grouped as vLLM's output processor groups
@@ -68,6 +69,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=250, help="tokens per stream (default 250)")
     parser.add_argument("--delay", type=float, default=0.02, help="seconds per engine step (default 0.02)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream-paths", nargs="+", default=["lean"], choices=("lean", "vllm"),
+                        help="the filters' --stream-path: one filter per interval and path (default lean)")
     parser.add_argument("--workers", type=int, default=2, help="processes per filter (default 2)")
     parser.add_argument("--out", default=str(BENCH / "STREAM_INTERVAL.md"), help="the report ('-': stdout only)")
     args = parser.parse_args()
@@ -85,52 +88,55 @@ def main() -> int:
         started.append(sim)
         sim.wait(lambda: procs.http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
         pairs = {}
-        for n in args.intervals:
+        for n, path in [(n, path) for n in args.intervals for path in args.stream_paths]:
             port = procs.free_port()
-            server = procs.Proc(f"filter-si{n}", [procs.PYTHON, "-m", "derender.cli", "serve", *model,
-                                                  "--stream-interval", str(n), "--port", str(port),
-                                                  "--producer", f"http://127.0.0.1:{sim_port}",
-                                                  "--workers", str(args.workers)]).start()
+            server = procs.Proc(f"filter-si{n}-{path}", [procs.PYTHON, "-m", "derender.cli", "serve", *model,
+                                                         "--stream-interval", str(n), "--stream-path", path,
+                                                         "--port", str(port),
+                                                         "--producer", f"http://127.0.0.1:{sim_port}",
+                                                         "--workers", str(args.workers)]).start()
             started.append(server)
             server.wait(lambda port=port: procs.tcp_open(port), 600)
-            envoy = procs.start_envoy(f"envoy-si{n}", sim_port, port)
+            envoy = procs.start_envoy(f"envoy-si{n}-{path}", sim_port, port)
             started.append(envoy.proc)
             envoy.proc.wait(lambda e=envoy: procs.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
-            pairs[n] = (envoy, server)
+            pairs[(n, path)] = (envoy, server)
         body = json.dumps(streams.chat_request("qwen3", True)).encode()
         post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay})
         for n, (envoy, server) in pairs.items():  # warm-up: every worker has served a stream
             measure(envoy, server, body, args.streams, args.tokens)
-        rounds: dict[int, list[dict]] = {n: [] for n in pairs}
+        rounds: dict[tuple[int, str], list[dict]] = {key: [] for key in pairs}
         for r in range(args.rounds):
-            for n, (envoy, server) in pairs.items():
+            for (n, path), (envoy, server) in pairs.items():
                 got = measure(envoy, server, body, args.streams, args.tokens)
-                rounds[n].append(got)
-                print(f"round {r + 1} interval {n}: {got['cpu_us_per_token']:.0f} us/token, "
+                rounds[(n, path)].append(got)
+                print(f"round {r + 1} interval {n} {path}: {got['cpu_us_per_token']:.0f} us/token, "
                       f"{got['msgs_per_token']:.2f} msgs/token, gap p50 {got['gap_ms_p50']:.1f} ms, "
                       f"ttft p50 {got['ttft_ms_p50']:.1f} ms, failed {got['failed']}", flush=True)
     finally:
         for proc in reversed(started):
             proc.stop()
-    base = statistics.median(x["cpu_us_per_token"] for x in rounds[args.intervals[0]])
+    first = next(iter(rounds))
+    base = statistics.median(x["cpu_us_per_token"] for x in rounds[first])
     lines = [
         "# `--stream-interval N` at production pacing",
         "",
         f"{datetime.date.today()}, `.venv/bin/python bench/stream_interval.py "
         f"--intervals {' '.join(map(str, args.intervals))} --streams {args.streams} --tokens {args.tokens} "
-        f"--delay {args.delay} --rounds {args.rounds} --workers {args.workers}`: {args.streams} concurrent qwen3 + "
+        f"--delay {args.delay} --rounds {args.rounds} --workers {args.workers} "
+        f"--stream-paths {' '.join(args.stream_paths)}`: {args.streams} concurrent qwen3 + "
         f"hermes streams of {args.tokens} tokens, one token per engine step every {args.delay * 1e3:.0f} ms, "
         f"the producer sending an event every N tokens; medians of {args.rounds} interleaved rounds on this "
         "2-core machine (every process on the same cores).",
         "",
-        f"| N | Envoy + filter CPU us/token | vs N={args.intervals[0]} | ext_proc msgs/token | read gap p50 ms | "
-        "TTFT p50 ms | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| N | --stream-path | Envoy + filter CPU us/token | vs the first row | ext_proc msgs/token | "
+        "read gap p50 ms | TTFT p50 ms | failed |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, got in rounds.items():
+    for (n, path), got in rounds.items():
         med = {k: statistics.median(x[k] for x in got) for k in ("cpu_us_per_token", "msgs_per_token",
                                                                    "gap_ms_p50", "ttft_ms_p50")}
-        lines.append(f"| {n} | {med['cpu_us_per_token']:.0f} | {med['cpu_us_per_token'] / base:.2f}x | "
+        lines.append(f"| {n} | {path} | {med['cpu_us_per_token']:.0f} | {med['cpu_us_per_token'] / base:.2f}x | "
                      f"{med['msgs_per_token']:.2f} | {med['gap_ms_p50']:.1f} | {med['ttft_ms_p50']:.1f} | "
                      f"{sum(x['failed'] for x in got)} |")
     report = "\n".join(lines) + "\n"
