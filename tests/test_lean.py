@@ -171,11 +171,14 @@ def test_lean_path_sends_vllms_bytes(name):
         body, payloads = drawn
         vllm_bytes, lean_bytes, handled = both_paths(model, body, payloads)
         assert lean_bytes == vllm_bytes, body
-        done.append(handled)
+        middle = max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 2)  # neither the first nor the last
+        done.append((handled, middle))
 
     check()
-    # The lean path did its share: the middle events of most streams (a few are too short to have any).
-    assert sum(1 for h in done if h) >= len(done) // 2, done
+    # The test compares two paths: the lean one did the middle events itself (a stop string that
+    # ends a stream early leaves the rest of its events to nobody).
+    handled, middle = sum(h for h, _ in done), sum(m for _, m in done)
+    assert middle > 0 and handled >= middle // 3, (handled, middle)  # 0.6-1.0 seen
 
 
 def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
