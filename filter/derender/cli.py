@@ -27,6 +27,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage.prompt_tokens_details.cached_tokens (Anthropic: cache_read_input_tokens) from the "
                         "producers' own usage, as vllm serve with this flag (run the producers with it too)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="as vllm serve --lora-modules (name=path, or its JSON form): adapters served under their "
+                        "own names; a request naming one goes to the producer with GenerateRequest.model set to it "
+                        "(run the producers with the same adapters)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="as vllm serve --stream-interval: streaming producer requests ask for an event every N "
                         "tokens (fewer, larger events: less CPU per token, text in steps of N; default 1)")
@@ -67,6 +71,7 @@ def model_spec(args: argparse.Namespace):
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         stream_interval=args.stream_interval,
+        lora_modules=tuple(args.lora_modules or ()),
     )
 
 
@@ -96,7 +101,7 @@ def served(args: argparse.Namespace):
 
 MODEL_FLAGS = ("model", "served_model_name", "max_model_len", "chat_template", "reasoning_parser",
                "tool_call_parser", "enable_auto_tool_choice", "default_chat_template_kwargs", "render_url",
-               "enable_prompt_tokens_details")
+               "enable_prompt_tokens_details", "lora_modules")
 
 
 def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -91,6 +91,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--enable-prompt-tokens-details")
     if getattr(args, "stream_interval", 1) != 1:
         flags += ["--stream-interval", str(args.stream_interval)]
+    if getattr(args, "lora_modules", None):
+        flags += ["--lora-modules", *args.lora_modules]
     return flags
 
 

@@ -98,7 +98,7 @@ class CompletionStream(ChatStream):
             self._indexed(),
             rendered.request_id,
             int(time.time()),
-            model.registry.model_name(),
+            model.response_name(rendered.request.model),
             num_prompts=1,
             tokenizer=model.tokenizer,
             request_metadata=RequestResponseMetadata(request_id=rendered.request_id),
@@ -123,7 +123,7 @@ async def completion_response(model: Model, rendered: RenderedCompletion, final:
             rendered.request,
             rendered.request_id,
             int(time.time()),
-            model.registry.model_name(),
+            model.response_name(rendered.request.model),
             model.tokenizer,
             RequestResponseMetadata(request_id=rendered.request_id),
         )

@@ -55,7 +55,8 @@ class Backend:
     ) -> None:
         if (model is None) == (render_url is None):
             raise ValueError("a backend has either a local model or a render tier URL")
-        self.names = list(names)
+        # A local model's LoRA adapters are served under their own names, by its producers.
+        self.names = list(names) + [a for a in (model.adapters if model is not None else ()) if a not in names]
         self.producer = producer
         self.cluster = cluster
         self.model = model
@@ -186,7 +187,11 @@ class Router:
         for backend in served:
             tokenizer = backend.model.tokenizer if backend.model is not None else None
             backend.balancer = routing.balancer(tokenizer, backend.routing)
-        self.by_name = {name: b for b in served for name in b.names}
+        self.by_name: dict[str, Backend] = {}
+        for backend in served:
+            for name in backend.names:
+                if self.by_name.setdefault(name, backend) is not backend:
+                    raise ValueError(f"the model name {name!r} is served twice")
 
     def backend_for(self, body: bytes) -> Backend:
         """The backend of the body's ``model``; a body vLLM will refuse goes to the default one."""

@@ -53,6 +53,7 @@ _KEYS = {
     "routing",
     "enable_prompt_tokens_details",
     "stream_interval",
+    "lora_modules",
 }
 
 
@@ -141,6 +142,9 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
     max_model_len = item.get("max_model_len")
     if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
         raise ConfigError(f"{where}: max_model_len must be a positive integer")
+    loras = item.get("lora_modules") or []
+    if not isinstance(loras, list) or not all(isinstance(m, (str, dict)) and m for m in loras):
+        raise ConfigError(f"{where}: lora_modules must be a list of 'name=path' or {{name, path}} mappings")
     return ModelSpec(
         model=str(folder),
         served_model_name=tuple(names),
@@ -152,6 +156,7 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
         default_chat_template_kwargs=json.dumps(kwargs) if kwargs is not None else None,
         enable_prompt_tokens_details=bool(item.get("enable_prompt_tokens_details", False)),
         stream_interval=interval,
+        lora_modules=tuple(m if isinstance(m, str) else json.dumps(m) for m in loras),  # vllm's JSON form
     )
 
 

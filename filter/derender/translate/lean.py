@@ -113,7 +113,7 @@ class LeanChatStream(ChatStream):
             request,
             self._results(),
             rendered.request_id,
-            request.model or model.name,
+            model.response_name(request.model),
             rendered.conversation,
             model.tokenizer,
             RequestResponseMetadata(request_id=rendered.request_id),

@@ -40,6 +40,7 @@ class ModelSpec:
     default_chat_template_kwargs: str | None = None  # JSON, as vLLM takes it
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens from the producer
     stream_interval: int = 1  # the producer sends a streaming event every N tokens (SamplingParams.stream_interval)
+    lora_modules: tuple[str, ...] = ()  # vllm serve --lora-modules: "name=path" or its JSON form, one each
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model]
@@ -61,6 +62,8 @@ class ModelSpec:
             argv += ["--enable-prompt-tokens-details"]
         if self.stream_interval != 1:
             argv += ["--stream-interval", str(self.stream_interval)]
+        if self.lora_modules:
+            argv += ["--lora-modules", *self.lora_modules]
         return argv
 
 
@@ -103,6 +106,10 @@ class _EngineStandIn:
         """Admission (queue limits) is the producer's: it answers 503 itself when full."""
         return None
 
+    async def add_lora(self, lora_request: Any) -> bool:
+        """A LoRA adapter is the producers' to load (``--lora-modules`` there too): nothing to load here."""
+        return True
+
 
 class Model:
     """Read-only vLLM objects for one served model."""
@@ -140,6 +147,10 @@ class Model:
         self.served_names: list[str] = list(args.served_model_name or [args.model])
         self.name = self.served_names[0]
         self.registry = state.openai_serving_models
+        if args.lora_modules:  # the adapters, as vllm serve's OpenAIServingModels holds them
+            self.registry = _with_adapters(self.registry, vllm_config, state, args.lora_modules)
+        # Names a request may give: the served names, then every adapter's.
+        self.adapters: list[str] = list(getattr(self.registry, "lora_requests", {}))
         self.online_renderer = state.online_renderer
         self.serving_render = state.serving_render
         self.serving_tokenization = state.serving_tokenization
@@ -184,5 +195,27 @@ class Model:
 
             get_encoding()
 
+    def response_name(self, requested: str | None) -> str:
+        """The ``model`` vLLM writes in its answers to a request for ``requested``
+        (``models.model_name(lora_request)``): the adapter's name, else the first served name."""
+        adapters = getattr(self.registry, "lora_requests", {})
+        return self.registry.model_name(adapters.get(requested) if requested else None)
+
     def serves(self, name: str | None) -> bool:
         return not name or name in self.served_names
+
+
+def _with_adapters(registry: Any, vllm_config: Any, state: Any, lora_modules: list[Any]) -> Any:
+    """vLLM's ``OpenAIServingModels`` with ``lora_modules`` loaded (``init_static_loras``), in place
+    of the render server's registry, which knows no adapters: model cards list them with their
+    ``parent``, the model check accepts their names, and a request naming one renders with it (its
+    ``GenerateRequest.model`` names it, which selects the adapter at the producer)."""
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+    engine = _EngineStandIn(vllm_config, state.online_renderer.renderer)
+    models = OpenAIServingModels(engine, registry.base_model_paths, lora_modules=lora_modules)  # type: ignore[arg-type]
+    asyncio.run(models.init_static_loras())
+    for serving in (state.serving_render, state.serving_tokenization):
+        serving.models = models
+    return models
+
