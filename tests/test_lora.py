@@ -104,3 +104,19 @@ def test_an_adapter_named_like_another_model_is_refused(qwen3_dir):
     producer = Producer("http://127.0.0.1:9")
     with pytest.raises(ValueError, match="'b' is served twice"):
         Router([Backend.local(a, producer), Backend.local(b, producer, "other")])
+
+
+def test_the_adapter_reaches_the_prefix_key(qwen3_dir):
+    """Prefix routing keys an adapter's prompt with the adapter (name and path), as vLLM's block hashes
+    include it: the request's rewrite carries it to the balancer (tests/test_prefix_key.py checks the hashes)."""
+    import asyncio
+
+    from derender.endpoints.chat import ChatExchange
+    from derender.translate.model import Model, ModelSpec
+
+    model = Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3", "qwen3-alias"), lora_modules=tuple(LORAS)))
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    for name, lora in [("tuned", ("tuned", "/adapters/tuned")), ("my-lora", ("my-lora", "/adapters/my-lora")),
+                       ("qwen3", None), ("qwen3-alias", None)]:
+        rewrite = asyncio.run(ChatExchange(model, None, None).request_body(json.dumps({"model": name, **body}).encode()))
+        assert rewrite.lora == lora, name

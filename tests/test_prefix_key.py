@@ -14,15 +14,17 @@ import pytest
 from derender.routing.prefix import BlockHasher
 
 
-def vllm_chain(ids: list[int], block_size: int, algo: str, cache_salt: str | None = None) -> list[bytes]:
+def vllm_chain(ids: list[int], block_size: int, algo: str, cache_salt: str | None = None,
+               lora: tuple[str, str] | None = None) -> list[bytes]:
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     hash_fn = get_hash_fn_by_name(algo)
     init_none_hash(hash_fn)
-    # The attributes vLLM's hasher reads of a Request: a text-only request, no LoRA, no embeddings.
+    # The attributes vLLM's hasher reads of a Request: a text-only request, no embeddings.
+    adapter = SimpleNamespace(lora_name=lora[0], lora_path=lora[1]) if lora else None
     request = SimpleNamespace(block_hashes=[], num_tokens=len(ids), all_token_ids=ids, mm_features=[],
-                              lora_request=None, cache_salt=cache_salt, prompt_embeds=None,
+                              lora_request=adapter, cache_salt=cache_salt, prompt_embeds=None,
                               _prompt_embeds_per_block_hashes={})
     return list(get_request_block_hasher(block_size, hash_fn)(request))
 
@@ -30,12 +32,16 @@ def vllm_chain(ids: list[int], block_size: int, algo: str, cache_salt: str | Non
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("salt", [None, "tenant-a"])
-def test_the_chain_is_vllms(algo, block_size, salt):
+@pytest.mark.parametrize("lora", [None, ("my-lora", "/adapters/my-lora")])
+def test_the_chain_is_vllms(algo, block_size, salt, lora):
+    """Cache salt on the first block, a LoRA adapter's name and path on every block, as vLLM hashes them."""
     rng = random.Random(f"{algo}{block_size}{salt}")
     for length in (0, 1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3, 300):
         ids = [rng.randrange(151_000) for _ in range(length)]
-        ours = BlockHasher(block_size, algo).chain(ids, salt)
-        assert ours == vllm_chain(ids, block_size, algo, salt), length
+        ours = BlockHasher(block_size, algo).chain(ids, salt, lora=lora)
+        assert ours == vllm_chain(ids, block_size, algo, salt, lora), length
+        if lora and length >= block_size:  # an adapter's blocks are not the base model's
+            assert ours[0] != BlockHasher(block_size, algo).chain(ids, salt)[0]
         assert len(ours) == length // block_size
 
 
@@ -50,3 +56,16 @@ def test_keys_share_exactly_the_shared_blocks():
     assert hasher.key(a, 6) == hasher.key(b, 6) and hasher.key(a, 7) != hasher.key(b, 7)
     assert hasher.key(a[:15], 4) is None  # no full block
     assert hasher.key(a, 6, cache_salt="x") != hasher.key(a, 6)  # vLLM's cache_salt isolates tenants
+
+
+def test_an_adapters_prompt_keys_apart_from_the_base_models():
+    """The routing key of a prompt asked of a LoRA adapter is the adapter's chain (vLLM caches its blocks
+    apart), and the same adapter keys the same prompt alike."""
+    from derender.routing.prefix import PrefixKey
+
+    key = PrefixKey(BlockHasher(16))
+    ids = list(range(1000, 1100))
+    adapter = ("my-lora", "/adapters/my-lora")
+    base, lora = key.key(ids)[0], key.key(ids, lora=adapter)[0]
+    assert base != lora and key.key(ids, lora=adapter)[0] == lora
+    assert key.key(ids, lora=("other", "/adapters/other"))[0] not in (base, lora)

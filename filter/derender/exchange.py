@@ -37,6 +37,7 @@ class Rewrite:
     # The prompt as token ids (and its cache_salt): what producer routing keys on.
     prompt_ids: list[int] | None = None
     cache_salt: str | None = None
+    lora: tuple[str, str] | None = None  # the LoRA adapter's (name, path): vLLM's block hashes include it
     # The producer replica routing chose ("IP:PORT"), handed to Envoy as dynamic metadata.
     destination: str | None = None
     # Work for the time the producer takes to answer, once the request has gone on.

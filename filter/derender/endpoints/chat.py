@@ -102,6 +102,7 @@ class ChatExchange(ProducerExchange):
             then=self.prepare if self.rendered.stream else None,
             prompt_ids=self.rendered.prompt_token_ids,
             cache_salt=getattr(self.rendered.request, "cache_salt", None),
+            lora=self.model.lora(self.rendered.request.model),
         )
 
     def prepare(self) -> None:

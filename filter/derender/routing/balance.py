@@ -107,13 +107,14 @@ class Balancer:
         self.owners: dict[int, str] = {}  # block id -> the replica that last served it
         self.in_flight: dict[str, int] = {}  # known replicas -> this process's requests there
 
-    def route(self, ids: Sequence[int] | None, cache_salt: str | None = None) -> tuple[dict[str, str], Decision]:
+    def route(self, ids: Sequence[int] | None, cache_salt: str | None = None,
+              lora: tuple[str, str] | None = None) -> tuple[dict[str, str], Decision]:
         """The headers that route this prompt, and the decision to report back (its ``chosen``:
         the replica precise routing asks Envoy for, if any)."""
         decision = Decision(self.mode, prompt_tokens=len(ids or ()))
         if self.mode == LEAST_REQUEST or not ids:
             return {}, decision
-        key, covered = self.prefix_key.key(ids, cache_salt)
+        key, covered = self.prefix_key.key(ids, cache_salt, lora)
         size = self.prefix_key.hasher.block_size
         decision.key_blocks = covered // size
         headers = {KEY_HEADER: key} if key else {}

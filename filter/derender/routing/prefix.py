@@ -58,8 +58,10 @@ class BlockHasher:
         # string for the cryptographic algorithms (random for xxhash: not reproducible).
         kv_cache_utils.init_none_hash(self.hash_fn)
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None) -> list[bytes]:
-        """The hashes of the full blocks of ``token_ids`` (the first ``limit`` of them, if given)."""
+    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None,
+              lora: tuple[str, str] | None = None) -> list[bytes]:
+        """The hashes of the full blocks of ``token_ids`` (the first ``limit`` of them, if given);
+        ``lora``: the adapter's (name, path), which vLLM puts in every block's extra keys."""
         size = self.block_size
         full = len(token_ids) // size
         if limit is not None:
@@ -67,10 +69,11 @@ class BlockHasher:
         hashes: list[bytes] = []
         parent = None
         memo = self._memo
+        adapter = (("lora", *lora),) if lora else ()
         for i in range(full):
             block = tuple(token_ids[i * size : (i + 1) * size])
-            extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
-            seen = (parent, block) if extra is None else (parent, block, cache_salt)
+            extra = adapter + ((("cache_salt", cache_salt),) if i == 0 and cache_salt else ()) or None
+            seen = (parent, block) if extra is None else (parent, block, extra)
             h = memo.get(seen)
             if h is None:
                 h = kv_cache_utils.hash_block_tokens(self.hash_fn, parent, block, extra)
@@ -150,20 +153,23 @@ class PrefixKey:
         end = len(ids) if end < 0 else end + len(self.marker)
         return min(end, self.max_blocks * self.hasher.block_size)
 
-    def key(self, ids: Sequence[int], cache_salt: str | None = None) -> tuple[str | None, int]:
-        """(hex key, or None for an empty prompt; the tokens it covers)."""
+    def key(self, ids: Sequence[int], cache_salt: str | None = None,
+            lora: tuple[str, str] | None = None) -> tuple[str | None, int]:
+        """(hex key, or None for an empty prompt; the tokens it covers); ``lora``: the adapter's
+        (name, path): its prompts key apart from the base model's, as vLLM's blocks do."""
         n = self.tokens(ids)
         size = self.hasher.block_size
         if n == 0:
             return None, 0
-        seen = (n, cache_salt, hash(tuple(ids[:n])))
+        seen = (n, cache_salt, lora, hash(tuple(ids[:n])))
         key = self._memo.get(seen)
         if key is None:
             full = n // size
-            chain = self.hasher.chain(ids, cache_salt, limit=full)
+            chain = self.hasher.chain(ids, cache_salt, limit=full, lora=lora)
             last = chain[-1] if chain else None
             if n % size:
-                extra = (("cache_salt", cache_salt),) if not chain and cache_salt else None
+                adapter = (("lora", *lora),) if lora else ()
+                extra = adapter + ((("cache_salt", cache_salt),) if not chain and cache_salt else ()) or None
                 last = kv_cache_utils.hash_block_tokens(self.hasher.hash_fn, last, tuple(ids[full * size : n]), extra)
             key = bytes(last).hex()
             if len(self._memo) >= self.MEMO:

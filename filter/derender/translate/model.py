@@ -201,6 +201,11 @@ class Model:
         adapters = getattr(self.registry, "lora_requests", {})
         return self.registry.model_name(adapters.get(requested) if requested else None)
 
+    def lora(self, requested: str | None) -> tuple[str, str] | None:
+        """The (name, path) of the adapter ``requested`` names, if it names one."""
+        adapter = getattr(self.registry, "lora_requests", {}).get(requested) if requested else None
+        return (adapter.lora_name, adapter.lora_path) if adapter is not None else None
+
     def serves(self, name: str | None) -> bool:
         return not name or name in self.served_names
 
