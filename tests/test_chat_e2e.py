@@ -383,3 +383,26 @@ def test_stream_interval_asks_the_producer_for_fewer_events(qwen3_dir, script, q
         assert "stream_interval" not in s.sim_requests()[-1]["sampling_params"]
     finally:
         s.stop()
+
+
+def test_kv_transfer_params_go_to_the_producer_and_its_answer_back(sim, script, qwen3_tokenizer):
+    """Disaggregated prefill: the client's ``kv_transfer_params`` reach the producer's GenerateRequest
+    (vLLM's render hoists them), and the producer's own (where its KV blocks wait; the simulator answers
+    as a NIXL-connected prefill producer) come back in the answer, where vLLM's coupled server puts the
+    engine's: ``kv_transfer_params`` of the chat completion and of the completion."""
+    asked = {"do_remote_decode": True, "do_remote_prefill": False}
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "Hi") + [IM_END]})
+    for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/completions", {"prompt": "hi there"})]:
+        r = httpx.post(sim.base_url + path, timeout=30,
+                       json={"model": "qwen3", "max_tokens": 1, "kv_transfer_params": asked, **body})
+        assert r.status_code == 200, r.text
+        sent = sim.sim_requests()[-1]
+        assert sent["kv_transfer_params"] == asked
+        got = r.json()["kv_transfer_params"]
+        assert got["do_remote_prefill"] is True and got["remote_engine_id"] == "derender-sim"
+        assert got["request_id"].startswith("generate-tokens-")
+        assert got["remote_block_ids"] == list(range((len(sent["token_ids"]) + 15) // 16))
+    r = httpx.post(sim.base_url + "/chat/completions", timeout=30,
+                   json={"model": "qwen3", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["kv_transfer_params"] is None  # a plain request: none, as vLLM answers

@@ -140,9 +140,21 @@ class Serving:
             "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices), cached=self._cached(gen)),
             "prompt_logprobs": None, "prompt_token_id_logprobs": None,
             "prompt_token_ids": prompt if body.get("return_token_ids") else None,
-            "mm_placeholders": None, "metrics": None, "kv_transfer_params": None,
+            "mm_placeholders": None, "metrics": None, "kv_transfer_params": self._kv_transfer(body, gen),
             "ec_transfer_params": None, "output_mode": "tokens",
             "choices": [self._choice(c, 0, c.sent, True, k) for c in gen.choices]}))
+
+    @staticmethod
+    def _kv_transfer(body: dict, gen: _Generation) -> dict | None:
+        """A prefill producer's answer to ``kv_transfer_params: {"do_remote_decode": true}``: where its
+        KV blocks wait for the decode producer (the fields vLLM's NIXL connector returns), else None."""
+        asked = body.get("kv_transfer_params")
+        if not isinstance(asked, dict) or not asked.get("do_remote_decode"):
+            return None
+        blocks = (len(body.get("token_ids") or ()) + 15) // 16
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(range(blocks)),
+                "remote_engine_id": "derender-sim", "remote_host": "127.0.0.1", "remote_port": 5600,
+                "tp_size": 1, "request_id": gen.engine_id}
 
     def _faulty(self, fault: str | None, response: web.Response) -> web.Response:
         """A malformed-output fault applied to a non-streaming body."""

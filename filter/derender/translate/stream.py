@@ -276,6 +276,10 @@ def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:
         raise HTTPError(502, f"invalid producer response: {exc}") from None
     if not outputs.done or len(finals) != 1:
         raise HTTPError(502, "the producer's response does not finish every choice")
+    # What the producer's KV connector says of the request (disaggregated prefill: where its blocks
+    # wait), which the coupled server returns from the engine's output: vLLM's generators copy it.
+    params = event.get("kv_transfer_params")
+    finals[0].kv_transfer_params = params if isinstance(params, dict) else None
     return finals[0]
 
 
