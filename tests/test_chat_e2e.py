@@ -406,3 +406,30 @@ def test_kv_transfer_params_go_to_the_producer_and_its_answer_back(sim, script, 
     r = httpx.post(sim.base_url + "/chat/completions", timeout=30,
                    json={"model": "qwen3", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.json()["kv_transfer_params"] is None  # a plain request: none, as vLLM answers
+
+
+@pytest.mark.parametrize("header, body_priority, sent", [("5", 0, 5), ("-2", 3, -2), ("high", 3, 3), (None, 4, 4)])
+def test_priority_header_and_session_id_as_vllm_reads_them(sim, script, qwen3_tokenizer, header, body_priority, sent):
+    """vLLM's coupled server takes an integer ``X-Vllm-Priority`` header over the body's ``priority``;
+    the generate endpoint reads only the body's, so the filter puts the header's there. ``X-Session-ID``
+    goes on to the producer as sent, which reads it there."""
+    script.set({"index": 0, "token_ids": encode(qwen3_tokenizer, "Hi") + [IM_END]})
+    headers = {"x-session-id": "conversation-7", **({"x-vllm-priority": header} if header is not None else {})}
+    for path, body in [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/completions", {"prompt": "hi"})]:
+        r = httpx.post(sim.base_url + path, headers=headers, timeout=30,
+                       json={"model": "qwen3", "max_tokens": 1, "priority": body_priority, **body})
+        assert r.status_code == 200, r.text
+        assert sim.sim_requests()[-1]["priority"] == sent
+        assert sim.sim_headers()[-1]["x-session-id"] == "conversation-7"
+
+
+def test_prompt_embeds_get_vllms_400_and_reach_no_producer(sim):
+    """The generate wire has no room for prompt embeddings (``token_ids`` needs at least one id): vLLM's
+    own answer for a server started without ``--enable-prompt-embeds``, before any producer."""
+    before = len(sim.sim_requests())
+    r = httpx.post(sim.base_url + "/completions", timeout=30,
+                   json={"model": "qwen3", "prompt_embeds": "AAAA", "max_tokens": 2})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
+    assert len(sim.sim_requests()) == before

@@ -32,6 +32,7 @@ from .registry import ENDPOINTS
 from .responses import RESPONSES_PATH, stored_response
 
 MODELS_PATH = "/v1/models"
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's PRIORITY_HEADER, which its coupled server reads over the body's
 
 
 def model_not_found(name: str, aliases: list[str]) -> HTTPError:
@@ -39,6 +40,22 @@ def model_not_found(name: str, aliases: list[str]) -> HTTPError:
     return HTTPError(
         404, f"The model `{name}` does not exist. Valid aliases: {', '.join(aliases)}.", "NotFoundError", "model"
     )
+
+
+def with_priority(rewrite: Rewrite, header: str | None) -> None:
+    """The ``X-Vllm-Priority`` header over the body's ``priority``, as vLLM's coupled server reads it
+    (``_get_priority``: an integer header wins, anything else leaves the body's); the generate
+    endpoint reads only ``GenerateRequest.priority``, so the filter puts it there."""
+    if header is None:
+        return
+    try:
+        priority = int(header)
+    except ValueError:
+        return
+    body = orjson.loads(rewrite.body)
+    if body.get("priority") != priority:
+        body["priority"] = priority
+        rewrite.body = orjson.dumps(body)
 
 
 class Backend:
@@ -107,10 +124,11 @@ class NotServed:
 class ModelExchange:
     """Picks the backend from the body's ``model``, then hands everything to its exchange."""
 
-    def __init__(self, router: Router, endpoint: Endpoint, x_request_id: str | None) -> None:
+    def __init__(self, router: Router, endpoint: Endpoint, x_request_id: str | None, priority: str | None = None) -> None:
         self.router = router
         self.endpoint = endpoint
         self.x_request_id = x_request_id
+        self.priority = priority  # the client's X-Vllm-Priority header, if any
         self.inner: Exchange | None = None
         self.balancer: Balancer | None = None
         self.decision: Decision | None = None
@@ -127,6 +145,7 @@ class ModelExchange:
         self.inner = backend.exchange(self.endpoint, self.x_request_id)
         result = await self.inner.request_body(body)
         if isinstance(result, Rewrite):
+            with_priority(result, self.priority)
             result.set_headers[CLUSTER_HEADER] = backend.cluster
             # Envoy's access log prints this header in place of the rewritten path when present:
             # there, requests read as what the client asked for, not all as /inference/v1/generate.
@@ -218,7 +237,7 @@ class Router:
                     return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
                 if end_of_stream:
                     return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
-                return ModelExchange(self, endpoint, headers.get("x-request-id"))
+                return ModelExchange(self, endpoint, headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
             if path in ("/health", "/ping") and method == "GET":
                 return Reply(200, b"")
             if path == MODELS_PATH and method == "GET":
