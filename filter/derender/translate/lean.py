@@ -104,21 +104,9 @@ class LeanChatStream(ChatStream):
 
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
-        from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
-
-        request = rendered.request
-        serving = self._serving(model)
-        self._serving_chat = serving
-        self._raw = serving.chat_completion_stream_generator_raw(
-            request,
-            self._results(),
-            rendered.request_id,
-            model.response_name(request.model),
-            rendered.conversation,
-            model.tokenizer,
-            RequestResponseMetadata(request_id=rendered.request_id),
-            chat_template_kwargs=rendered.chat_template_kwargs,
-        )
+        serving = self._serving_chat = self._serving(model)
+        self._raw = serving.chat_completion_stream_generator_raw(*self._generator_args(model, rendered),
+                                                                 chat_template_kwargs=rendered.chat_template_kwargs)
         return _serialized(serving, self._raw)
 
     def _accept(self, outputs: list[Any]) -> None:

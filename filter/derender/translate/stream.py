@@ -68,18 +68,21 @@ class ChatStream:
 
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's stream generator for this endpoint, fed from ``self._results()``."""
+        return self._serving(model).chat_completion_stream_generator(*self._generator_args(model, rendered),
+                                                                     chat_template_kwargs=rendered.chat_template_kwargs)
+
+    def _generator_args(self, model: Model, rendered: Rendered) -> tuple:
+        """What vLLM's chat stream generators take, in order, for this stream."""
         from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 
-        request = rendered.request
-        return self._serving(model).chat_completion_stream_generator(
-            request,
+        return (
+            rendered.request,
             self._results(),
             rendered.request_id,
-            model.response_name(request.model),
+            model.response_name(rendered.request.model),
             rendered.conversation,
             model.tokenizer,
             RequestResponseMetadata(request_id=rendered.request_id),
-            chat_template_kwargs=rendered.chat_template_kwargs,
         )
 
     @staticmethod
