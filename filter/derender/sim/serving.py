@@ -14,7 +14,7 @@ from aiohttp import web
 
 from .generation import _Died, _Disconnected, _Generation, _drop
 from .wire import (FLOOD_BYTES, MALFORMED, MAX_LOGPROBS, MAX_NUM_SEQS, RequestError, _ERROR_TYPES, _check_body, _err,
-                   _json_response, _validation_error)
+                   _json_response, _validation_error, check_features)
 
 
 class Serving:
@@ -44,6 +44,7 @@ class Serving:
             if body is None:
                 raise _validation_error([_err("missing", "body", "Field required", None)])
             _check_body(body)
+            check_features(body)
             return await self._serve(request, body)
         except RequestError as e:
             return _json_response(e.body, e.code)

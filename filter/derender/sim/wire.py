@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 from aiohttp import web
@@ -111,3 +112,29 @@ def _check_body(body: object) -> None:
                               error=ValueError(msg)))
     if errors:
         raise _validation_error(errors)
+
+
+def check_features(body: dict) -> int:
+    """``GenerateRequest.features`` as a producer reads them (vLLM's own model and decoder): placeholders
+    within the prompt, every item's tensors inline (this producer caches none). Returns the item count."""
+    features = body.get("features")
+    if features is None:
+        return 0
+    if body.get("content_parts"):
+        raise RequestError("content_parts and features are mutually exclusive")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
+
+    try:
+        parsed = MultiModalFeatures.model_validate(features)
+        for ranges in parsed.mm_placeholders.values():
+            if any(r.offset + r.length > len(body["token_ids"]) for r in ranges):
+                raise ValueError("mm_placeholders must remain within the token_ids sequence")
+        items = mm_kwargs_from_features(parsed)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(str(exc)) from None
+    missing = [m for m, values in items.items() if any(v is None for v in values)]
+    if missing:
+        raise RequestError(f"a {missing[0]} item without its data is not in this producer's cache")
+    return sum(len(values) for values in items.values())

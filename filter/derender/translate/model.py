@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import longprompt
+from . import longprompt, media, vision
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -41,6 +41,12 @@ class ModelSpec:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens from the producer
     stream_interval: int = 1  # the producer sends a streaming event every N tokens (SamplingParams.stream_interval)
     lora_modules: tuple[str, ...] = ()  # vllm serve --lora-modules: "name=path" or its JSON form, one each
+    # Vision-language models (``vision``, ``media``): where image URLs may come from, as vllm serve takes it,
+    # plus the networks besides public ones media may be fetched from; vLLM's processor cache per process.
+    allowed_local_media_path: str | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_media_networks: tuple[str, ...] = ()
+    mm_processor_cache_gb: float = 0.5  # vLLM's default is 4 GiB per process: too much for every gateway worker
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model]
@@ -64,6 +70,11 @@ class ModelSpec:
             argv += ["--stream-interval", str(self.stream_interval)]
         if self.lora_modules:
             argv += ["--lora-modules", *self.lora_modules]
+        if self.allowed_local_media_path:
+            argv += ["--allowed-local-media-path", self.allowed_local_media_path]
+        if self.allowed_media_domains:
+            argv += ["--allowed-media-domains", *self.allowed_media_domains]
+        argv += ["--mm-processor-cache-gb", str(self.mm_processor_cache_gb)]
         return argv
 
 
@@ -115,6 +126,7 @@ class Model:
     """Read-only vLLM objects for one served model."""
 
     def __init__(self, spec: ModelSpec) -> None:
+        vision.prepare(spec.model)  # a VLM's classes and torchvision, before vLLM (and transformers) load
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
@@ -144,6 +156,9 @@ class Model:
         self.vllm_config = vllm_config
         self.model_config = model_config
         self.max_model_len: int = model_config.max_model_len
+        self.multimodal: bool = bool(model_config.is_multimodal_model)
+        if self.multimodal:
+            media.install(spec.allowed_media_networks)
         self.served_names: list[str] = list(args.served_model_name or [args.model])
         self.name = self.served_names[0]
         self.registry = state.openai_serving_models

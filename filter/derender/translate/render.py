@@ -57,6 +57,7 @@ async def render_chat(model: Model, raw: bytes, x_request_id: str | None) -> Ren
 async def render_chat_request(model: Model, request: Any, x_request_id: str | None) -> Rendered:
     """Render a validated ``ChatCompletionRequest``; raises ``HTTPError`` for bad input."""
     headers = {"X-Request-Id": x_request_id} if x_request_id else {}
+    with_tensors(request)
     try:
         result = await model.serving_render.render_chat_request(request, SimpleNamespace(headers=headers))
     except Exception as exc:  # vLLM raises for some bad input instead of returning
@@ -75,6 +76,14 @@ async def render_chat_request(model: Model, request: Any, x_request_id: str | No
         chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
         conversation=conversation,
     )
+
+
+def with_tensors(request: Any) -> None:
+    """A producer reads an image item without its tensors as one in its cache: whatever a client asks of
+    vLLM's render endpoint (``mm_payload``, ``return_mm_kwargs``), a request that goes on to a producer
+    carries them."""
+    if getattr(request, "mm_payload", "tensors") != "tensors":
+        request.mm_payload = "tensors"
 
 
 def producer_body(generate_request: Any, usage: bool = False, stream_interval: int = 1) -> bytes:

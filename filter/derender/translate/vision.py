@@ -1,0 +1,69 @@
+"""What a vision-language model needs in the filter before vLLM builds its renderer.
+
+vLLM renders an image as its coupled server does (``ServingRender`` fills
+``GenerateRequest.features``: the processed tensors, content hashes and
+placeholder ranges), so the filter needs no weights: config.json,
+preprocessor_config.json, the tokenizer and a chat template. Two things stand
+in the way, both mended here once per process:
+
+- vLLM's VLM model files import transformers' torchvision-based image
+  processors, and PyPI's torchvision (a CUDA build) does not import beside the
+  CPU torch as it is: ``derender.torchvision_ops`` (run in every process of the
+  virtualenv by set-up's ``.pth`` file, and here again in case it was not).
+- vLLM inspects a model class in a child Python process (another torch start,
+  seconds). The architecture is loaded and registered in this process instead
+  (vLLM's ``_RegisteredModel``), as ``ModelRegistry.register_model`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("derender.vision")
+
+
+def is_vision_config(model: str) -> bool:
+    """A local model folder whose config.json describes a vision tower."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config
+
+
+def ensure_torchvision() -> None:
+    """Import torchvision, its compiled operators declared first if they cannot load."""
+    from . import torchvision_ops
+
+    torchvision_ops.install()
+    import torchvision
+
+    if torchvision_ops.declared:
+        log.info("torchvision %s without its compiled ops (a CUDA build beside CPU torch): transforms only",
+                 torchvision.__version__)
+
+
+def register_in_process(model: str) -> None:
+    """Load the model folder's architectures in this process so vLLM inspects them here."""
+    from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _RegisteredModel
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    for arch in config.get("architectures") or ():
+        registered = ModelRegistry.models.get(arch)
+        if isinstance(registered, _LazyRegisteredModel):
+            ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(registered.load_model_cls())
+
+
+def prepare(model: str) -> bool:
+    """Ready this process for ``model`` if it is a vision-language model folder; says whether it is.
+    Call it before vLLM or transformers is imported."""
+    from . import torchvision_ops
+
+    torchvision_ops.install()
+    if not is_vision_config(model):
+        return False
+    ensure_torchvision()
+    register_in_process(model)
+    return True
