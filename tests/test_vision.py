@@ -229,3 +229,25 @@ def test_a_text_model_still_refuses_images(plain_stack):
 
 def test_models_lists_the_vlm(vl_stack):
     assert [c["id"] for c in httpx.get(vl_stack.base_url + "/models", timeout=30).json()["data"]] == ["vl"]
+
+
+def test_an_image_too_large_for_the_producer_is_a_413_in_the_clients_shape(vl_stack):
+    """A 2048x2048 picture is ~60 KB as a plain JPEG and 33 MB of processed tensors in the producer's
+    request: more than Envoy's buffer holds. The filter says so, in each API's shape; nothing is sent."""
+    image = Image.linear_gradient("L").resize((2048, 2048)).convert("RGB")
+    buf = io.BytesIO()
+    image.save(buf, "JPEG")
+    url = data_url(buf.getvalue(), "image/jpeg")
+    before = vl_stack.sim_received()
+    client = openai.OpenAI(base_url=vl_stack.base_url, api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="vl", messages=image_message(url), max_tokens=4)
+    assert info.value.status_code == 413 and info.value.body["type"] == "RequestEntityTooLarge"
+    assert "--max-producer-body-bytes" in info.value.body["message"]
+    claude = anthropic.Anthropic(base_url=vl_stack.envoy_url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as error:
+        claude.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": url.split(",", 1)[1]}}]}])
+    assert error.value.status_code == 413 and error.value.body["error"]["type"] == "request_too_large"
+    assert vl_stack.sim_received() == before

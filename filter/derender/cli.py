@@ -40,6 +40,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
                         help="networks besides public addresses that image URLs may be fetched from, e.g. "
                         "10.0.0.0/8 (default: none: loopback, private, link-local and reserved addresses are "
                         "refused); also with --config")
+    parser.add_argument("--max-producer-body-bytes", type=int, default=16 << 20,
+                        help="a request that renders to more (images: their processed tensors) is a 413; Envoy's "
+                        "buffer must hold it (BODY_LIMIT_BYTES; derender up sets it to at least this; default 16 MiB); "
+                        "also with --config")
     parser.add_argument("--mm-processor-cache-gb", type=float, default=0.5,
                         help="vLLM's processed-image cache per filter process (vLLM's default is 4; default 0.5)")
     parser.add_argument("--stream-interval", type=int, default=1,
@@ -87,6 +91,7 @@ def model_spec(args: argparse.Namespace):
         allowed_media_domains=tuple(args.allowed_media_domains or ()),
         allowed_media_networks=tuple(args.allowed_media_networks or ()),
         mm_processor_cache_gb=args.mm_processor_cache_gb,
+        max_producer_body_bytes=args.max_producer_body_bytes,
     )
 
 
@@ -105,9 +110,11 @@ def served(args: argparse.Namespace):
         except config.ConfigError as exc:
             raise SystemExit(f"derender: {exc}") from None
         networks = tuple(getattr(args, "allowed_media_networks", None) or ())
+        limit = getattr(args, "max_producer_body_bytes", 16 << 20)
         return [
             Backend(e.names, producers(e.producer_urls), e.cluster,
-                    Model(replace(e.spec, allowed_media_networks=networks)) if e.spec else None, e.render_url,
+                    Model(replace(e.spec, allowed_media_networks=networks, max_producer_body_bytes=limit))
+                    if e.spec else None, e.render_url,
                     e.routing)
             for e in entries
         ]

@@ -98,6 +98,8 @@ def model_flags(args: argparse.Namespace) -> list[str]:
             flags += ["--" + name.replace("_", "-"), *getattr(args, name)]
     if getattr(args, "allowed_local_media_path", None):
         flags += ["--allowed-local-media-path", args.allowed_local_media_path]
+    if getattr(args, "max_producer_body_bytes", 16 << 20) != 16 << 20:
+        flags += ["--max-producer-body-bytes", str(args.max_producer_body_bytes)]
     if getattr(args, "mm_processor_cache_gb", 0.5) != 0.5:
         flags += ["--mm-processor-cache-gb", str(args.mm_processor_cache_gb)]
     return flags
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             PRODUCER_HOST=producer_host,
             PRODUCER_PORT=producer_port,
             MAX_CONNECTIONS=args.max_connections,
+            BODY_LIMIT_BYTES=max(16 << 20, getattr(args, "max_producer_body_bytes", 0)),
         )
         folder = tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
         config_file = Path(folder) / "envoy.yaml"

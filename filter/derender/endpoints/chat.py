@@ -85,6 +85,7 @@ class ChatExchange(ProducerExchange):
         try:
             self.rendered = await self.render(self.model, body, self.x_request_id)
             verify_params(self.model, self.rendered)
+            check_size(self.model, self.rendered.body)
             self._render_time = time.monotonic() - started
         except HTTPError as exc:
             self.client_status = exc.status
@@ -316,6 +317,16 @@ def _token_count(body: bytes) -> int | None:
         return sum(len(c.get("token_ids") or ()) for c in json.loads(body).get("choices") or ())
     except (ValueError, AttributeError, TypeError):
         return None
+
+
+def check_size(model: Model, body: bytes) -> None:
+    """A rendered request larger than the producer body limit is a 413 here, in the client's shape,
+    rather than Envoy's own reply once it overflows its buffer (images: their processed tensors
+    travel in the body, 20-40x the size of the picture)."""
+    if len(body) > model.max_producer_body:
+        raise HTTPError(413, f"The request renders to {len(body)} bytes for the producer (its images' processed "
+                        f"tensors), more than this gateway sends ({model.max_producer_body} bytes, "
+                        "--max-producer-body-bytes). Send fewer or smaller images.")
 
 
 def verify_params(model: Model, rendered: object) -> None:

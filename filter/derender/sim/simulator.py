@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from .cache import PrefixCache
 from .generation import _Choice, _Died, _Disconnected, _Generation, _stream_interval
 from .serving import Serving
-from .wire import FAULTS, RequestError, _TURNS, _json_response
+from .wire import FAULTS, RequestError, _TURNS, _json_response, preload_features_decoder
 
 class Simulator(Serving):
     def __init__(self, model_dir: str, mode: str = "echo", script: str | None = None,
@@ -30,6 +30,8 @@ class Simulator(Serving):
         folder = Path(model_dir).expanduser()
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "config.json").read_text())
+        if "vision_config" in config:  # a VLM: vLLM's features decoder, loaded now rather than on a first image
+            preload_features_decoder()
         eos = config.get("eos_token_id")
         if eos is None:
             name = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
@@ -263,7 +265,7 @@ class Simulator(Serving):
 
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=1 << 30)  # vLLM's server sets no body limit (images' tensors)
         app[SIMULATOR] = self
         app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_post("/inference/v1/abort_requests", self.abort_requests)

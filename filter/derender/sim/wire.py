@@ -114,6 +114,11 @@ def _check_body(body: object) -> None:
         raise _validation_error(errors)
 
 
+def preload_features_decoder() -> None:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import vllm.entrypoints.scale_out.token_in_token_out.mm_features  # noqa: F401
+
+
 def check_features(body: dict) -> int:
     """``GenerateRequest.features`` as a producer reads them (vLLM's own model and decoder): placeholders
     within the prompt, every item's tensors inline (this producer caches none). Returns the item count."""
@@ -122,7 +127,7 @@ def check_features(body: dict) -> int:
         return 0
     if body.get("content_parts"):
         raise RequestError("content_parts and features are mutually exclusive")
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    preload_features_decoder()
     from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 

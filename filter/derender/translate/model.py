@@ -47,6 +47,7 @@ class ModelSpec:
     allowed_media_domains: tuple[str, ...] = ()
     allowed_media_networks: tuple[str, ...] = ()
     mm_processor_cache_gb: float = 0.5  # vLLM's default is 4 GiB per process: too much for every gateway worker
+    max_producer_body_bytes: int = 16 << 20  # a larger rendered request is a 413 (Envoy's buffer, BODY_LIMIT_BYTES)
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model]
@@ -156,6 +157,7 @@ class Model:
         self.vllm_config = vllm_config
         self.model_config = model_config
         self.max_model_len: int = model_config.max_model_len
+        self.max_producer_body: int = spec.max_producer_body_bytes
         self.multimodal: bool = bool(model_config.is_multimodal_model)
         if self.multimodal:
             media.install(spec.allowed_media_networks)
@@ -209,6 +211,8 @@ class Model:
             from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
 
             get_encoding()
+        if self.multimodal:  # the image processor, built and run once (seconds), in this thread: no
+            self.renderer.warmup_mm()  # executor thread may start before the workers fork
 
     def response_name(self, requested: str | None) -> str:
         """The ``model`` vLLM writes in its answers to a request for ``requested``
