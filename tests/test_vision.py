@@ -73,7 +73,7 @@ def vl_dir() -> str:
 
 @pytest.fixture(scope="module")
 def vl_stack(vl_dir):
-    stack = Stack(vl_dir, ["--served-model-name", "vl", "--max-model-len", "8192",
+    stack = Stack(vl_dir, ["--served-model-name", "vl", "--max-model-len", "8192", "--routing", "prefix",
                            "--allowed-media-networks", f"{ALLOWED}/32"]).start()
     yield stack
     stack.stop()
@@ -251,3 +251,23 @@ def test_an_image_too_large_for_the_producer_is_a_413_in_the_clients_shape(vl_st
                                          "data": url.split(",", 1)[1]}}]}])
     assert error.value.status_code == 413 and error.value.body["error"]["type"] == "request_too_large"
     assert vl_stack.sim_received() == before
+
+
+def test_the_routing_key_follows_the_image(vl_stack, oracle):
+    """Prefix routing keys a prompt with its images as vLLM's block hashes carry them: the same text with
+    another picture is another key (no cache to share), the same picture the same key."""
+    from derender.routing.prefix import BlockHasher, PrefixKey, answer_marker
+    from derender.translate.render import render_chat
+
+    client = openai.OpenAI(base_url=vl_stack.base_url, api_key="x")
+    keys = []
+    for seed in (11, 11, 12):
+        client.chat.completions.create(model="vl", messages=image_message(data_url(png(seed=seed))), max_tokens=2)
+        keys.append(vl_stack.sim_headers()[-1]["x-derender-prefix-key"])
+    assert keys[0] == keys[1] != keys[2]
+    body = {"model": "vl", "messages": image_message(data_url(png(seed=12))), "max_tokens": 2}
+    rendered = asyncio.run(render_chat(oracle, orjson.dumps(body), None))
+    assert rendered.media and rendered.media[0][0] == vl_stack.sim_requests()[-1]["features"]["mm_hashes"]["image"][0]
+    key = PrefixKey(BlockHasher(16), answer_marker(oracle.tokenizer), 256)
+    assert key.key(rendered.prompt_token_ids, media=rendered.media)[0] == keys[2]
+    assert key.key(rendered.prompt_token_ids)[0] != keys[2]

@@ -38,6 +38,7 @@ class Rewrite:
     prompt_ids: list[int] | None = None
     cache_salt: str | None = None
     lora: tuple[str, str] | None = None  # the LoRA adapter's (name, path): vLLM's block hashes include it
+    media: tuple[tuple[str, int, int], ...] = ()  # the images (hash, offset, length): so do they
     # The producer replica routing chose ("IP:PORT"), handed to Envoy as dynamic metadata.
     destination: str | None = None
     # Work for the time the producer takes to answer, once the request has gone on.

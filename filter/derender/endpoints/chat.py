@@ -104,6 +104,7 @@ class ChatExchange(ProducerExchange):
             prompt_ids=self.rendered.prompt_token_ids,
             cache_salt=getattr(self.rendered.request, "cache_salt", None),
             lora=self.model.lora(self.rendered.request.model),
+            media=self.rendered.media,
         )
 
     def prepare(self) -> None:

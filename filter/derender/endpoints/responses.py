@@ -37,7 +37,7 @@ from .chat import ChatExchange
 from ..translate.stream import ChatStream, choice_outputs
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
-from ..translate.render import Rendered, producer_body
+from ..translate.render import Rendered, media_of, producer_body
 from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
 from .responses_session import _STAND_IN_SESSIONS, Session, _ProducerEngine
@@ -90,12 +90,13 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         session.cancel()
         raise _failure_of(session)
     kwargs = session.engine_kwargs
+    features = model.serving_render._extract_mm_features(session.engine_input, mm_payload="tensors")
     prompt_ids = list(extract_prompt_components(model.model_config, session.engine_input).token_ids or ())
     body = producer_body(
         GenerateRequest(
             request_id=request.request_id,
             token_ids=prompt_ids,
-            features=model.serving_render._extract_mm_features(session.engine_input, mm_payload="tensors"),
+            features=features,
             sampling_params=session.params,
             model=request.model,
             stream=bool(request.stream),
@@ -116,6 +117,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         chat_template_kwargs={},
         conversation=[],
         session=session,
+        media=media_of(features),
     )
 
 

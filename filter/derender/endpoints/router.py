@@ -152,7 +152,8 @@ class ModelExchange:
             result.set_headers["x-envoy-original-path"] = self.endpoint.path
             if backend.balancer is not None:
                 began = time.thread_time()
-                headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt, result.lora)
+                headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt, result.lora,
+                                                                result.media)
                 self.decision.cpu_us = (time.thread_time() - began) * 1e6
                 result.set_headers.update(headers)
                 result.destination = self.decision.chosen

@@ -43,7 +43,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .prefix import PrefixKey
+from .prefix import Media, PrefixKey
 
 log = logging.getLogger("derender.balance")
 
@@ -108,13 +108,13 @@ class Balancer:
         self.in_flight: dict[str, int] = {}  # known replicas -> this process's requests there
 
     def route(self, ids: Sequence[int] | None, cache_salt: str | None = None,
-              lora: tuple[str, str] | None = None) -> tuple[dict[str, str], Decision]:
+              lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> tuple[dict[str, str], Decision]:
         """The headers that route this prompt, and the decision to report back (its ``chosen``:
         the replica precise routing asks Envoy for, if any)."""
         decision = Decision(self.mode, prompt_tokens=len(ids or ()))
         if self.mode == LEAST_REQUEST or not ids:
             return {}, decision
-        key, covered = self.prefix_key.key(ids, cache_salt, lora)
+        key, covered = self.prefix_key.key(ids, cache_salt, lora, media)
         size = self.prefix_key.hasher.block_size
         decision.key_blocks = covered // size
         headers = {KEY_HEADER: key} if key else {}

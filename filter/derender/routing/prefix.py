@@ -3,7 +3,8 @@
 vLLM caches a prompt's KV in blocks of ``block_size`` tokens (16 by default) and
 finds a block again by its hash, which chains the parent block's hash, the
 block's token ids and extra keys (the request's ``cache_salt`` on the first
-block; LoRA and media, which the filter does not send). Only full blocks count.
+block; a LoRA adapter's name and path on every block; each image's content hash and
+its offset in the blocks its placeholder tokens fall in). Only full blocks count.
 Two prompts share cached blocks exactly as far as their chains agree, so a
 routing key made from a chain hash sends prompts that can share cache to the
 same place.
@@ -59,9 +60,10 @@ class BlockHasher:
         kv_cache_utils.init_none_hash(self.hash_fn)
 
     def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None,
-              lora: tuple[str, str] | None = None) -> list[bytes]:
+              lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> list[bytes]:
         """The hashes of the full blocks of ``token_ids`` (the first ``limit`` of them, if given);
-        ``lora``: the adapter's (name, path), which vLLM puts in every block's extra keys."""
+        ``lora``: the adapter's (name, path), which vLLM puts in every block's extra keys; ``media``:
+        the prompt's images as (content hash, placeholder offset, length), sorted by offset."""
         size = self.block_size
         full = len(token_ids) // size
         if limit is not None:
@@ -69,10 +71,9 @@ class BlockHasher:
         hashes: list[bytes] = []
         parent = None
         memo = self._memo
-        adapter = (("lora", *lora),) if lora else ()
         for i in range(full):
             block = tuple(token_ids[i * size : (i + 1) * size])
-            extra = adapter + ((("cache_salt", cache_salt),) if i == 0 and cache_salt else ()) or None
+            extra = extra_keys(i * size, (i + 1) * size, cache_salt, lora, media)
             seen = (parent, block) if extra is None else (parent, block, extra)
             h = memo.get(seen)
             if h is None:
@@ -89,6 +90,25 @@ class BlockHasher:
         the prompt has no full block. Prompts with the same key share at least that cached prefix."""
         hashes = self.chain(token_ids, cache_salt, limit=blocks)
         return bytes(hashes[-1]).hex() if hashes else None
+
+
+Media = tuple[str, int, int]  # an image's content hash (vLLM's mm_hash), placeholder offset and length
+
+
+def extra_keys(start: int, end: int, cache_salt: str | None, lora: tuple[str, str] | None,
+               media: Sequence[Media]) -> tuple | None:
+    """vLLM's extra keys of the block of tokens [start, end) (``generate_block_hash_extra_keys``): the
+    adapter, then every image whose placeholder overlaps the block with its offset from the block's
+    start, then the cache salt on the first block."""
+    keys: list[tuple] = [("lora", *lora)] if lora else []
+    for digest, offset, length in media:
+        if offset >= end:
+            break
+        if start < offset + length:
+            keys.append(("mm", digest, offset - start))
+    if start == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) or None
 
 
 def find(ids: Sequence[int], marker: Sequence[int], start: int = 0) -> int:
@@ -154,22 +174,23 @@ class PrefixKey:
         return min(end, self.max_blocks * self.hasher.block_size)
 
     def key(self, ids: Sequence[int], cache_salt: str | None = None,
-            lora: tuple[str, str] | None = None) -> tuple[str | None, int]:
+            lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> tuple[str | None, int]:
         """(hex key, or None for an empty prompt; the tokens it covers); ``lora``: the adapter's
-        (name, path): its prompts key apart from the base model's, as vLLM's blocks do."""
+        (name, path): its prompts key apart from the base model's, as vLLM's blocks do; ``media``: the
+        prompt's images (``media_of``): the same placeholder tokens with another picture key apart."""
         n = self.tokens(ids)
         size = self.hasher.block_size
         if n == 0:
             return None, 0
-        seen = (n, cache_salt, lora, hash(tuple(ids[:n])))
+        media = tuple(media)
+        seen = (n, cache_salt, lora, media, hash(tuple(ids[:n])))
         key = self._memo.get(seen)
         if key is None:
             full = n // size
-            chain = self.hasher.chain(ids, cache_salt, limit=full, lora=lora)
+            chain = self.hasher.chain(ids, cache_salt, limit=full, lora=lora, media=media)
             last = chain[-1] if chain else None
             if n % size:
-                adapter = (("lora", *lora),) if lora else ()
-                extra = adapter + ((("cache_salt", cache_salt),) if not chain and cache_salt else ()) or None
+                extra = extra_keys(full * size, n, cache_salt, lora, media)
                 last = kv_cache_utils.hash_block_tokens(self.hasher.hash_fn, last, tuple(ids[full * size : n]), extra)
             key = bytes(last).hex()
             if len(self._memo) >= self.MEMO:

@@ -50,7 +50,7 @@ class ModelSpec:
     max_producer_body_bytes: int = 16 << 20  # a larger rendered request is a 413 (Envoy's buffer, BODY_LIMIT_BYTES)
 
     def vllm_argv(self) -> list[str]:
-        argv = ["--model", self.model]
+        argv = ["--model", self.model, "--mm-processor-cache-gb", str(self.mm_processor_cache_gb)]
         if self.served_model_name:
             argv += ["--served-model-name", *self.served_model_name]
         if self.max_model_len:
@@ -75,7 +75,6 @@ class ModelSpec:
             argv += ["--allowed-local-media-path", self.allowed_local_media_path]
         if self.allowed_media_domains:
             argv += ["--allowed-media-domains", *self.allowed_media_domains]
-        argv += ["--mm-processor-cache-gb", str(self.mm_processor_cache_gb)]
         return argv
 
 

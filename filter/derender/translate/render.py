@@ -32,6 +32,7 @@ class Rendered:
     body: bytes  # JSON for POST /inference/v1/generate
     chat_template_kwargs: dict[str, Any]
     conversation: list[Any]  # the rendered messages; only needed for ``echo``
+    media: tuple[tuple[str, int, int], ...] = ()  # the images: (content hash, placeholder offset, length)
 
     @property
     def stream(self) -> bool:
@@ -75,7 +76,19 @@ async def render_chat_request(model: Model, request: Any, x_request_id: str | No
         body=producer_body(result, usage=model.prompt_tokens_details, stream_interval=model.stream_interval),
         chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
         conversation=conversation,
+        media=media_of(result.features),
     )
+
+
+def media_of(features: Any) -> tuple[tuple[str, int, int], ...]:
+    """The (content hash, placeholder offset, length) of each item of a ``GenerateRequest.features``,
+    sorted by offset: what vLLM's prefix-cache block hashes carry of them."""
+    if features is None:
+        return ()
+    items = [(digest, r.offset, r.length)
+             for modality, digests in features.mm_hashes.items()
+             for digest, r in zip(digests, features.mm_placeholders.get(modality, ()))]
+    return tuple(sorted(items, key=lambda item: item[1]))
 
 
 def with_tensors(request: Any) -> None:
