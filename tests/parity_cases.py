@@ -145,8 +145,49 @@ class ParserFreeQwen3Answers(Qwen3Answers):
     parsers = False
 
 
+class VisionQwen3Answers(Qwen3Answers):
+    """A Qwen2-VL with the Qwen3 tokenizer and parsers: every case's first user message carries an image."""
+
+    image = True
+
+
 ANSWERS: dict[str, type[Answers]] = {"qwen3": Qwen3Answers, "deepseek-r1": DeepSeekR1Answers, "gpt-oss": HarmonyAnswers,
-                                     "qwen3-no-parser": ParserFreeQwen3Answers}
+                                     "qwen3-no-parser": ParserFreeQwen3Answers, "qwen2-vl": VisionQwen3Answers}
+# The cases a vision config runs (each also through Messages and Responses): plain, reasoning, tools.
+VISION = {"plain chunks=1", "reasoning chunks=3-4", "tool chunks=1", "reasoning+tool chunks=tail"}
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (120, 80), (30, 140, 220))
+    image.putpixel((3, 3), (255, 255, 255))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def with_image(messages: list[dict], api: str) -> list[dict]:
+    """``messages`` with a picture after the first user message's text, in ``api``'s own shape
+    (``chat``, ``messages`` (Anthropic), ``responses``)."""
+    import base64
+
+    data = base64.b64encode(_png()).decode()
+    url = "data:image/png;base64," + data
+    image = {"chat": {"type": "image_url", "image_url": {"url": url}},
+             "messages": {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+             "responses": {"type": "input_image", "image_url": url, "detail": "auto"}}[api]
+    text = "input_text" if api == "responses" else "text"
+    out, done = [], False
+    for message in messages:
+        if not done and message["role"] == "user" and isinstance(message["content"], str):
+            message = {**message, "content": [{"type": text, "text": message["content"]}, image]}
+            done = True
+        out.append(message)
+    assert done, "no user message to put the image in"
+    return out
 # The cases a parser-free config runs: no reasoning or tool expectations of their own.
 PARSER_FREE = {"plain chunks=1", "plain chunks=3-4", "plain chunks=rand", "plain chunks=tail",
                "reasoning chunks=1", "reasoning chunks=3-4", "logprobs top_logprobs=2", "stop string across events",
@@ -288,7 +329,8 @@ def with_tools(cls: type[Answers]) -> bool:
 
 def cases_for(model: str) -> list[str]:
     cls = ANSWERS[model]
-    return [name for name in CASES if APPLIES[name](cls) and (getattr(cls, "parsers", True) or name in PARSER_FREE)]
+    return [name for name in CASES if APPLIES[name](cls) and (getattr(cls, "parsers", True) or name in PARSER_FREE)
+            and (not getattr(cls, "image", False) or name in VISION)]
 
 
 def base_answer(a: Answers, kind: str, end: bool = True) -> list[int]:

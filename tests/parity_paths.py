@@ -26,6 +26,8 @@ MODELS = {
     "deepseek-r1": ["--reasoning-parser", "deepseek_r1"],
     "gpt-oss": ["--reasoning-parser", "openai_gptoss", "--tool-call-parser", "openai", "--enable-auto-tool-choice"],
     "qwen3-no-parser": [],  # vLLM's default: no reasoning or tool parser
+    # A vision-language model (a tiny Qwen2-VL with the Qwen3 tokenizer): its cases carry an image.
+    "qwen2-vl": ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
 }
 ASSET = {"qwen3-no-parser": "qwen3"}  # model configs that share a tokenizer
 MAX_MODEL_LEN = "8192"

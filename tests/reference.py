@@ -38,6 +38,7 @@ class Step:
 class Captured:
     prompt_token_ids: list[int] = field(default_factory=list)
     sampling_params: Any = None
+    media: list[tuple[str, int, int]] = field(default_factory=list)  # images: (content hash, offset, length)
 
 
 class ScriptedEngine:
@@ -70,7 +71,8 @@ class ScriptedEngine:
         )
         self.input_processor.assign_request_id(request)
         params = request.params
-        self.captured = Captured(list(request.prompt_token_ids or []), params)
+        media = [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ()]
+        self.captured = Captured(list(request.prompt_token_ids or []), params, media)
         processor = OutputProcessor(self.renderer.get_tokenizer(), log_stats=False)
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         ids: list[str] = []
@@ -116,6 +118,9 @@ class CoupledChat:
     """vLLM's coupled chat server for one model, built as ``vllm serve`` builds it (minus the GPU)."""
 
     def __init__(self, model_dir: str, *flags: str) -> None:
+        from derender.translate import vision
+
+        vision.prepare(model_dir)  # a VLM: torchvision and its classes, as the filter loads them
         from starlette.datastructures import State
         from vllm import AsyncEngineArgs
         from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ import json
 import os
 
 import pytest
-from parity_cases import CASES, LEAK, STOP_DESYNC, STOP_KEPT, Case, cases_for, upstream
+from parity_cases import CASES, LEAK, STOP_DESYNC, STOP_KEPT, Case, cases_for, upstream, with_image
 from parity_compare import (
     ParityTable,
     assemble,
@@ -94,6 +94,7 @@ def check_render(sent: dict, captured, body: dict) -> None:
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
+    check_media(sent, captured)
     sp = GenerateRequest.model_validate(sent).sampling_params  # as the producer reads it
     ref = captured.sampling_params
     for name in PARAMS:
@@ -101,6 +102,15 @@ def check_render(sent: dict, captured, body: dict) -> None:
     assert public(sp.structured_outputs) == public(ref.structured_outputs), "structured outputs differ"
     assert ref.stop == (body.get("stop") or [])
     assert not sp.stop, "stop strings must stay with the filter"
+
+
+def check_media(sent: dict, captured) -> None:
+    """The producer got the images the coupled engine did: content hashes and placeholder ranges."""
+    features = sent.get("features") or {}
+    media = sorted((digest, r["offset"], r["length"]) for modality, digests in features.get("mm_hashes", {}).items()
+                   for digest, r in zip(digests, features["mm_placeholders"][modality]))
+    assert media == sorted(captured.media), "images differ from vLLM's"
+    assert all(item for items in (features.get("kwargs_data") or {}).values() for item in items), "tensors missing"
 
 
 def check_case_shape(case: Case, message: dict) -> None:
@@ -165,6 +175,8 @@ def run_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
     served.script.write_text("".join(json.dumps(line) + "\n" for line in case.script()))
     served.stack.sim_config(mode="script", tokens_per_event=1, finish_only_tail=case.tail, delay=case.delay, split_writes=1)
     body = {"model": served.name, "stream": True, **case.body}
+    if getattr(served.answers, "image", False):
+        body["messages"] = with_image(body["messages"], "chat")
     steps = case.steps()
 
     got = through_envoy(served, body)
@@ -255,6 +267,7 @@ def replay(served: Served, case: Case, body: dict, through, reference) -> tuple:
     sent = served.stack.sim_requests()[-1]
     want, captured = reference(body, steps)
     assert sent["token_ids"] == captured.prompt_token_ids, "prompt token ids differ from vLLM's render"
+    check_media(sent, captured)
     sp = GenerateRequest.model_validate(sent).sampling_params
     for name in PARAMS:
         assert getattr(sp, name) == getattr(captured.sampling_params, name), f"sampling_params.{name}"
@@ -265,6 +278,8 @@ def replay(served: Served, case: Case, body: dict, through, reference) -> tuple:
 
 def run_messages_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
     body = {**anthropic_body(case, served.name), "stream": True}
+    if getattr(served.answers, "image", False):
+        body["messages"] = with_image(body["messages"], "messages")
     got, want, captured, steps = replay(served, case, body, messages_through_envoy, served.reference.run_messages)
     assert captured.sampling_params.stop == (body.get("stop_sequences") or [])
 
@@ -311,6 +326,8 @@ def responses_through_envoy(served: Served, body: dict) -> list | dict:
 
 def run_responses_case(served: Served, case: Case, bugs: tuple[str, ...]) -> None:
     body = {**responses_body(case, served.name), "stream": True}
+    if getattr(served.answers, "image", False):
+        body["input"] = with_image(body["input"], "responses")
     got, want, _, steps = replay(served, case, body, responses_through_envoy,
                                  lambda body, steps: run_responses(served.reference, body, steps))
 

@@ -171,6 +171,12 @@ class Model:
         self.serving_render = state.serving_render
         self.serving_tokenization = state.serving_tokenization
         self.renderer = self.online_renderer.renderer
+        if self.multimodal:
+            # vLLM's sender-side processor cache assumes an engine behind it that holds what it was sent
+            # (it sends an item seen before as None); the filter has none, and a producer reads None as
+            # "in my cache". Every path renders through the processor-only cache, as vLLM's render
+            # endpoints do (``skip_mm_cache=True``): Responses (vLLM's own serving class) included.
+            self.renderer._mm_processor_cache = self.renderer._mm_processor_only_cache
         self.tokenizer = self.renderer.get_tokenizer()
         self.parser_cls = self.online_renderer.parser
         self.use_harmony = model_config.hf_config.model_type == "gpt_oss"
