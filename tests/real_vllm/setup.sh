@@ -27,4 +27,17 @@ if [ ! -f "$STAMP" ]; then
     "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     touch "$STAMP"
 fi
+# Images (tests/test_real_vllm.py's VLM): PyPI's torchvision (a CUDA build) beside the CPU torch, imported
+# through the filter's torchvision_ops, as the filter's own virtualenv does (make setup). Once, then
+# the hook file kept in step with the repo's.
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+TV_STAMP=$VENV/.derender-torchvision-0.28.0
+if [ ! -f "$TV_STAMP" ]; then
+    "$VENV/bin/python" -m pip install -q --no-deps --require-hashes -r "$ROOT/requirements/torchvision.txt"
+    touch "$TV_STAMP"
+fi
+cmp -s "$ROOT/filter/derender/translate/torchvision_ops.py" "$SITE/derender_torchvision_ops.py" ||
+    cp "$ROOT/filter/derender/translate/torchvision_ops.py" "$SITE/derender_torchvision_ops.py"
+echo 'import derender_torchvision_ops as ops; ops.install()' > "$SITE/derender-torchvision.pth"
 echo "$VENV"
