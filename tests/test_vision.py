@@ -272,3 +272,37 @@ def test_the_routing_key_follows_the_image(vl_stack, oracle):
     key = PrefixKey(BlockHasher(16), answer_marker(oracle.tokenizer), 256)
     assert key.key(rendered.prompt_token_ids, media=rendered.media)[0] == keys[2]
     assert key.key(rendered.prompt_token_ids)[0] != keys[2]
+
+
+def test_a_bad_image_in_a_responses_request_is_a_400(vl_stack):
+    before = vl_stack.sim_received()
+    client = openai.OpenAI(base_url=vl_stack.base_url, api_key="x", max_retries=0)
+    for url in (NOT_AN_IMAGE, "http://127.0.0.1:9/cat.png"):
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model="vl", max_output_tokens=4, input=[{"role": "user", "content": [
+                {"type": "input_image", "image_url": url, "detail": "auto"}]}])
+    assert vl_stack.sim_received() == before
+
+
+def test_config_takes_the_media_options_per_model(tmp_path, vl_dir):
+    """``--config`` entries take vLLM's media options as ``vllm serve`` flags do; ``serve`` adds the networks."""
+    import json as jsonlib
+
+    from derender.routing import config
+
+    media = tmp_path / "media"
+    media.mkdir()
+    path = tmp_path / "models.yaml"
+    path.write_text(jsonlib.dumps({"models": [{"name": "vl", "model": vl_dir, "producer": {"cluster": "c", "url": "http://p"},
+                                               "allowed_local_media_path": "media",
+                                               "allowed_media_domains": ["images.example"],
+                                               "mm_processor_cache_gb": 1}]}))
+    [entry] = config.load(str(path))
+    argv = entry.spec.vllm_argv()
+    assert argv[argv.index("--allowed-local-media-path") + 1] == str(media)
+    assert argv[argv.index("--allowed-media-domains") + 1] == "images.example"
+    assert argv[argv.index("--mm-processor-cache-gb") + 1] == "1.0"
+    path.write_text(jsonlib.dumps({"models": [{"name": "vl", "model": vl_dir, "producer": {"cluster": "c", "url": "http://p"},
+                                               "mm_processor_cache_gb": "lots"}]}))
+    with pytest.raises(config.ConfigError, match="mm_processor_cache_gb"):
+        config.load(str(path))
