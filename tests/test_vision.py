@@ -306,3 +306,24 @@ def test_config_takes_the_media_options_per_model(tmp_path, vl_dir):
                                                "mm_processor_cache_gb": "lots"}]}))
     with pytest.raises(config.ConfigError, match="mm_processor_cache_gb"):
         config.load(str(path))
+
+
+def test_sparse_placeholders_are_refused_with_a_reason(oracle):
+    """A model whose placeholders are sparse (only some tokens take the embeddings: Gemma 3, Pixtral-style
+    LLaVA) cannot be carried exactly by the generate wire (offset and length only): the filter's feature
+    extraction refuses such a prompt, which vLLM's error handling makes a 400; dense ones pass."""
+    import torch
+    from vllm.multimodal.inputs import PlaceholderRange
+
+    from derender.translate.errors import from_exception
+    from derender.translate.vision import check_dense
+
+    dense = {"mm_placeholders": {"image": [PlaceholderRange(offset=4, length=8),
+                                           PlaceholderRange(offset=20, length=3, is_embed=torch.ones(3, dtype=torch.bool))]}}
+    check_dense(dense)
+    sparse = {"mm_placeholders": {"image": [PlaceholderRange(offset=4, length=4,
+                                                             is_embed=torch.tensor([False, True, True, False]))]}}
+    with pytest.raises(Exception) as info:
+        oracle.serving_render._extract_mm_features(sparse)
+    error = from_exception(info.value)
+    assert error.status == 400 and "sparse placeholders" in str(error)

@@ -177,6 +177,7 @@ class Model:
             # "in my cache". Every path renders through the processor-only cache, as vLLM's render
             # endpoints do (``skip_mm_cache=True``): Responses (vLLM's own serving class) included.
             self.renderer._mm_processor_cache = self.renderer._mm_processor_only_cache
+            vision.guard_features(self.serving_render)  # sparse placeholders: a 400, not a wrong answer
         self.tokenizer = self.renderer.get_tokenizer()
         self.parser_cls = self.online_renderer.parser
         self.use_harmony = model_config.hf_config.model_type == "gpt_oss"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("derender.vision")
 
@@ -54,6 +55,36 @@ def register_in_process(model: str) -> None:
         registered = ModelRegistry.models.get(arch)
         if isinstance(registered, _LazyRegisteredModel):
             ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(registered.load_model_cls())
+
+
+def check_dense(engine_input: Any) -> None:
+    """Refuse a rendered prompt whose image placeholders are sparse (``PlaceholderRange.is_embed``: only
+    some of the placeholder tokens take the image's embeddings, as in Gemma 3 or Pixtral-style LLaVA).
+    The generate wire carries each placeholder's offset and length only, so a producer would embed
+    every token of the range: a wrong answer, not an error. A 400 says why instead."""
+    from vllm.exceptions import VLLMValidationError
+
+    for modality, ranges in (engine_input.get("mm_placeholders") or {}).items():
+        for placeholder in ranges:
+            mask = placeholder.is_embed
+            if mask is not None and not bool(mask.all()):
+                raise VLLMValidationError(
+                    f"This model marks only some of an {modality} item's placeholder tokens as embeddings "
+                    "(sparse placeholders); vLLM's generate wire carries a placeholder's offset and length "
+                    f"only, so disaggregated serving cannot send this {modality} to a producer exactly.",
+                    parameter=f"{modality}_url")
+
+
+def guard_features(serving_render: Any) -> None:
+    """Every feature extraction of ``serving_render`` (vLLM's ``ServingRender``, which every endpoint's
+    image path goes through) refuses sparse placeholders first (``check_dense``)."""
+    extract = serving_render._extract_mm_features
+
+    def checked(engine_input: Any, **kwargs: Any) -> Any:
+        check_dense(engine_input)
+        return extract(engine_input, **kwargs)
+
+    serving_render._extract_mm_features = checked
 
 
 def prepare(model: str) -> bool:
