@@ -13,6 +13,8 @@ NAMES = {
     "hermes-vllm": "Envoy + derender, qwen3 + hermes, --stream-path vllm",
     "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
     "vllm-coupled": "vLLM coupled API server, qwen3 + hermes (asked directly)",
+    "hermes-messages": "Envoy + derender, qwen3 + hermes, /v1/messages",
+    "hermes-responses": "Envoy + derender, qwen3 + hermes, /v1/responses",
 }
 
 
@@ -81,39 +83,7 @@ def markdown(r: dict) -> str:
     out += table(
         ["path", "ext_proc CPU us/token", "Envoy CPU us/token", "p50 ms/token", "p99 ms/token", "added p50 ms", "added p99 ms"], rows
     )
-    for concurrency, runs in load.items():
-        echo = runs.get("echo", {}).get("tokens_per_s")
-        out += [
-            (f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
-            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {int(concurrency) / plan['load_delay']:,.0f} tokens/s)"),
-            "",
-            (f"Every path ran {plan.get('load_rounds', 1)} times, the paths interleaved; each row is its median round "
-             "by tokens/s (the last column gives every round)."),
-            "",
-        ]
-        rows = []
-        for name, run in runs.items():
-            rows.append([
-                NAMES.get(name, name),
-                num(run["tokens_per_s"]),
-                f"{run['tokens_per_s'] / echo * 100:.0f} %" if echo and name != "envoy" else "",
-                num(run["cpu_us_per_token"].get("server")),
-                num(run["cpu_us_per_token"].get("envoy")),
-                num(run.get("msgs_to_server_per_token"), 2),
-                num(run.get("msgs_from_server_per_token"), 2),
-                ms(run["read_gap"]["p50"]),
-                ms(run["read_gap"]["p99"]),
-                "/".join(f"{x * 100:.0f}" for x in run.get("worker_share", [])) or "-",
-                str(run["failed"]),
-                " / ".join(num(x) for x in run.get("rounds_tokens_per_s", [run["tokens_per_s"]])),
-            ])
-        out += table(
-            ["path", "tokens/s", "vs echo floor", "ext_proc CPU us/token", "Envoy CPU us/token", "msgs to ext_proc /token",
-             "replies /token", "p50 gap between reads ms", "p99 gap ms", "CPU split over workers %", "failed streams",
-             "rounds tokens/s"],
-            rows,
-        )
-
+    out += paced_sections(plan, load)
     lengths, vllm, hot = r.get("lengths", {}), r.get("vllm_derender", {}), r.get("hot_path", {})
     out += [
         "## 2. The filter vs vLLM's streaming derender, qwen3 + hermes, reasoning + tool-call streams",
@@ -225,6 +195,85 @@ def agent_rows(r: dict) -> list[str]:
                 "messages / chat", "responses / chat"], rows),
         "",
     ]
+
+
+def paced_sections(plan: dict, load: dict) -> list[str]:
+    """Section 1b: many streams at once, paced as a GPU decodes; one table per concurrency, then the
+    ratios the cost-per-token target is about (Envoy + ext_proc CPU per token)."""
+    out: list[str] = []
+    for concurrency, runs in load.items():
+        echo = runs.get("echo", {}).get("tokens_per_s")
+        out += [
+            (f"## 1b. Under load: {concurrency} concurrent streams, {plan['load_tokens']} tokens each, "
+            f"each paced at {1 / plan['load_delay']:.0f} tokens/s (offered {int(concurrency) / plan['load_delay']:,.0f} tokens/s)"),
+            "",
+            (f"Every path ran {plan.get('load_rounds', 1)} times, the paths interleaved; each row is its median round "
+             "by tokens/s (the last column gives every round)."),
+            "",
+        ]
+        rows = []
+        for name, run in runs.items():
+            rows.append([
+                NAMES.get(name, name),
+                num(run["tokens_per_s"]),
+                f"{run['tokens_per_s'] / echo * 100:.0f} %" if echo and name != "envoy" else "",
+                num(run["cpu_us_per_token"].get("server")),
+                num(run["cpu_us_per_token"].get("envoy")),
+                num(run.get("msgs_to_server_per_token"), 2),
+                num(run.get("msgs_from_server_per_token"), 2),
+                ms(run["read_gap"]["p50"]),
+                ms(run["read_gap"]["p99"]),
+                "/".join(f"{x * 100:.0f}" for x in run.get("worker_share", [])) or "-",
+                str(run["failed"]),
+                " / ".join(num(x) for x in run.get("rounds_tokens_per_s", [run["tokens_per_s"]])),
+            ])
+        out += table(
+            ["path", "tokens/s", "vs echo floor", "ext_proc CPU us/token", "Envoy CPU us/token", "msgs to ext_proc /token",
+             "replies /token", "p50 gap between reads ms", "p99 gap ms", "CPU split over workers %", "failed streams",
+             "rounds tokens/s"],
+            rows,
+        )
+        out += paced_ratios(runs)
+    return out
+
+
+def paced_ratios(runs: dict) -> list[str]:
+    """Envoy + ext_proc CPU per token of each filter row against vLLM's coupled server and against chat."""
+    def total(name: str) -> float | None:
+        run = runs.get(name)
+        if not run:
+            return None
+        cpu = run["cpu_us_per_token"]
+        return (cpu.get("server") or 0) + (cpu.get("envoy") or 0)
+
+    coupled, chat = total("vllm-coupled"), total("hermes")
+    lines = []
+    for name in ("echo", "hermes", "hermes-vllm", "hermes-messages", "hermes-responses"):
+        mine = total(name)
+        if mine is None:
+            continue
+        parts = [f"{mine / coupled:.2f}x vLLM coupled" if coupled else "",
+                 f"{mine / chat:.2f}x chat" if chat and name.startswith("hermes-") and name != "hermes-vllm" else ""]
+        parts = [p for p in parts if p]
+        if parts:
+            lines.append(f"- {NAMES.get(name, name)}: Envoy + ext_proc {mine:.0f} us/token, " + ", ".join(parts))
+    return [*lines, ""] if lines else []
+
+
+def paced_markdown(r: dict) -> str:
+    """The report of a ``--only paced`` run."""
+    env = r.get("env", {})
+    head = [
+        "# derender benchmark: production pacing, chat, Messages and Responses",
+        "",
+        f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), {env.get('workers')} "
+        "filter workers; command: `.venv/bin/python bench/run.py --only paced --out bench/PACED.md`. The same "
+        "qwen3 + hermes reasoning + tool-call token streams, one token per producer event, asked through "
+        "/v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc and "
+        "vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same.",
+        "",
+    ]
+    return "\n".join(head + paced_sections(r.get("plan", {}), r.get("throughput", {})))
 
 
 def agents_markdown(r: dict) -> str:

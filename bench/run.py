@@ -301,15 +301,24 @@ class Bench:
                 f"server CPU {run['cpu_us_per_token'].get('server', 0):.0f} us/token")
         return out
 
-    def throughput(self) -> dict:
-        """Many streams at once, each paced like a decoding GPU: tokens per second and CPU per token."""
+    def agent_configs(self) -> dict[str, Config]:
+        """The qwen3 + hermes filter asked the same streams through /v1/messages and /v1/responses."""
+        hermes = self.configs["hermes"]
+        return {f"hermes-{endpoint}": Config(f"hermes-{endpoint}", hermes.envoy, hermes.server, chat=True, tools=True,
+                                             endpoint=endpoint) for endpoint in ("messages", "responses")}
+
+    def throughput(self, only: tuple[str, ...] = ()) -> dict:
+        """Many streams at once, each paced like a decoding GPU: tokens per second and CPU per token
+        (``only``: these configurations, by name; the agent APIs' rows are always added)."""
         plan = self.plan
         self.sim_config(delay=plan.load_delay)
         out: dict = {}
         for concurrency in plan.concurrency:
             self.warm_up(concurrency)
             self.write_script(streams.reasoning_tool_call(self.model_dir, plan.load_tokens))
-            configs = self.with_coupled()
+            configs = {**self.with_coupled(), **self.agent_configs()}
+            if only:
+                configs = {name: config for name, config in configs.items() if name in only}
             rounds: dict[str, list[dict]] = {name: [] for name in configs}
             for _ in range(plan.load_rounds):  # interleaved: a slow spell of the machine hits every configuration
                 for name, config in configs.items():
@@ -536,8 +545,10 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the one `derender fetch` got)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes per ext_proc server")
     parser.add_argument("--out", default=None, help="where the report goes (default: bench/RESULTS.md; --quick: nowhere)")
-    parser.add_argument("--only", choices=["agents"], default=None,
-                        help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min)")
+    parser.add_argument("--only", choices=["agents", "paced"], default=None,
+                        help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min); paced: only "
+                        "section 1b (production pacing) for echo, the filter on chat / Messages / Responses and vLLM's "
+                        "coupled server")
     args = parser.parse_args()
     plan = Plan.quick() if args.quick else Plan()
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
@@ -549,6 +560,11 @@ def main() -> int:
         if args.only == "agents":
             log("phase: agent_lengths")
             results["agent_lengths"] = bench.agent_lengths()
+            return finish(args, results)
+        if args.only == "paced":
+            log("phase: throughput (paced: echo, the filter on chat, Messages and Responses, vLLM coupled)")
+            results["throughput"] = bench.throughput(("echo", "hermes", "hermes-messages", "hermes-responses",
+                                                      "vllm-coupled"))
             return finish(args, results)
         # vLLM's derender streams take minutes of one core. Latency, throughput and time to first
         # token need the machine to themselves: the streams run (on their own simulator and server)
@@ -575,7 +591,7 @@ def main() -> int:
 def finish(args: argparse.Namespace, results: dict) -> int:
     """Write the report of ``results``."""
     results["env"]["wall_minutes"] = (time.monotonic() - START) / 60
-    text = report.agents_markdown(results) if args.only == "agents" else report.markdown(results)
+    text = {"agents": report.agents_markdown, "paced": report.paced_markdown}.get(args.only, report.markdown)(results)
     print(text)
     out = args.out or ("-" if args.quick else str(BENCH / "RESULTS.md"))
     if out != "-":
