@@ -175,10 +175,7 @@ def main() -> int:
                      f"{row['status']} | {row['ttft_ms']:.0f} | {row['filter_ms']:.0f} | {row['envoy_ms']:.0f} | "
                      f"{vllm_ms[key][0]:.0f} | {row['again_ttft_ms']:.0f} | {row['again_filter_ms']:.0f} | "
                      f"{vllm_ms[key][1]:.0f} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out != "-":
-        Path(args.out).write_text(report)
+    procs.write_report(lines, args.out)
     return 0
 
 

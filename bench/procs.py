@@ -49,6 +49,14 @@ class Proc(Child):
         return tree[1:] or tree
 
 
+def write_report(lines: list[str], out: str) -> None:
+    """Print a benchmark's markdown report and write it to ``out`` (``-``: print only)."""
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if out != "-":
+        Path(out).write_text(report)
+
+
 def cpu_of(process: psutil.Process) -> float:
     try:
         t = process.cpu_times()

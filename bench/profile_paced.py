@@ -143,10 +143,7 @@ def main() -> int:
         "",
         *summarize(raw, errors),
     ]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out != "-":
-        Path(args.out).write_text(report)
+    procs.write_report(lines, args.out)
     return 0
 
 

@@ -139,10 +139,7 @@ def main() -> int:
         lines.append(f"| {n} | {path} | {med['cpu_us_per_token']:.0f} | {med['cpu_us_per_token'] / base:.2f}x | "
                      f"{med['msgs_per_token']:.2f} | {med['gap_ms_p50']:.1f} | {med['ttft_ms_p50']:.1f} | "
                      f"{sum(x['failed'] for x in got)} |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out != "-":
-        Path(args.out).write_text(report)
+    procs.write_report(lines, args.out)
     return 0
 
 
