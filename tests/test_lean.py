@@ -90,8 +90,9 @@ def normal(data: bytes) -> bytes:
     return TOOL_CALL_ID.sub(b'"id":"call-id"', CREATED.sub(b'"created":0', data))
 
 
-def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int]:
-    """(vLLM's bytes, the lean path's bytes, middle events the lean path did itself)."""
+def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int, int]:
+    """(vLLM's bytes, the lean path's bytes, middle events the lean path did itself, of those
+    the events it did without vLLM's output processor)."""
     from derender.translate import lean
     from derender.translate.stream import ChatStream
 
@@ -102,7 +103,7 @@ def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, 
     vllm_bytes = run(ChatStream(model, reference), payloads)
     lean_bytes = run(lean_stream, payloads)
     # ``created`` is the second each generator started in, tool call ids are random: all else is equal.
-    return normal(vllm_bytes), normal(lean_bytes), lean_stream.handled
+    return normal(vllm_bytes), normal(lean_bytes), lean_stream.handled, lean_stream.direct
 
 
 # Text that stresses detokenization and the parsers: multi-byte characters, markup look-alikes,
@@ -169,16 +170,64 @@ def test_lean_path_sends_vllms_bytes(name):
     @given(streams(name))
     def check(drawn):
         body, payloads = drawn
-        vllm_bytes, lean_bytes, handled = both_paths(model, body, payloads)
+        vllm_bytes, lean_bytes, handled, direct = both_paths(model, body, payloads)
         assert lean_bytes == vllm_bytes, body
         middle = max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 2)  # neither the first nor the last
-        done.append((handled, middle))
+        done.append((handled, middle, direct))
 
     check()
     # The test compares two paths: the lean one did the middle events itself (a stop string that
-    # ends a stream early leaves the rest of its events to nobody).
-    handled, middle = sum(h for h, _ in done), sum(m for _, m in done)
+    # ends a stream early leaves the rest of its events to nobody), most of them without vLLM's
+    # output processor (all but the first middle event of a stream without stop strings).
+    handled, middle, direct = (sum(d[i] for d in done) for i in range(3))
     assert middle > 0 and handled >= middle // 3, (handled, middle)  # 0.6-1.0 seen
+    assert direct >= handled // 3, (direct, handled)
+
+
+# The configurations whose vLLM parsers run on vLLM's declarative parser engine (the others have no
+# drop table to share: DeepSeek-R1's reasoning parser, gpt-oss's Harmony, no parser at all).
+ENGINE_PARSERS = ("qwen3", "qwen2-vl")
+
+
+def _shape(info) -> tuple:
+    if info is None:
+        return (None,)
+    shape = info.lexer_shape
+    terminals = [(t.name, t.pattern.pattern, t.is_literal, t.literal) for t in shape.terminals]
+    return (info.extra_token_ids, terminals, shape.literal_strings, shape.max_literal_len, shape.literal_first_chars,
+            shape.has_only_literals, shape.prefix_set, shape.literals_by_first)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shared_parser_tables_equal_fresh_ones(name, monkeypatch):
+    """The lean path builds vLLM's parser drop tables once per (engine config, tokenizer) and shares
+    them: for every parser a request of this configuration makes, the shared table equals the one
+    vLLM builds anew, and ``--stream-path vllm`` gets a fresh one every time."""
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    from derender.translate import lean
+
+    model, answers = served(name)
+    memo = engine._build_drop_info
+    assert getattr(memo, "derender_memo", False)
+    memo.tables.clear()
+    for body in ({"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": True},
+                 {"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": True, "tools": TOOLS},
+                 {"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                  "chat_template_kwargs": {"enable_thinking": False}}):
+        if "tools" in body and not answers.tools or model.serving_chat.parser_cls is None:
+            continue
+        rendered = render(model, body)
+        model.serving_chat._make_parser(rendered.request, model.tokenizer, rendered.chat_template_kwargs)
+    tables = list(memo.tables.values())
+    assert bool(tables) == (name in ENGINE_PARSERS), "a parser engine was built or not, unlike vLLM 0.33's parsers"
+    for config, tokenizer, shared in tables:
+        assert memo(config, tokenizer) is shared
+        assert _shape(shared) == _shape(memo.built(config, tokenizer))
+        monkeypatch.setattr(lean, "ENABLED", False)
+        fresh = memo(config, tokenizer)
+        assert fresh is not shared or shared is None
+        monkeypatch.setattr(lean, "ENABLED", True)
 
 
 def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
@@ -209,7 +258,7 @@ def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
     lean_bytes = run(stream, payloads)
     assert b"parser broke" in vllm_bytes and vllm_bytes.endswith(b"data: [DONE]\n\n")
     assert normal(lean_bytes) == normal(vllm_bytes)
-    assert stream.handled >= 5
+    assert stream.handled >= 5 and stream.direct >= 4
 
 
 @pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"echo": True}, {"return_token_ids": True},

@@ -10,7 +10,10 @@ the middle events, which carry no finish reason, itself, the way the generator's
 - the same ``ChatStreamProcessor`` objects, taken from the generator's own frame once it has built
   them, so vLLM's reasoning and tool parsers do every step (their state is the generator's);
 - the parser's ``DeltaMessage`` serialized by its own pydantic serializer, put between the two
-  halves of a chunk that vLLM's models serialized once per stream (a marker delta cut out).
+  halves of a chunk that vLLM's models serialized once per stream (a marker delta cut out);
+- from the second middle event on, when the choice's output processor does nothing per token but
+  detokenize (no stop strings, no logprobs), the event goes straight to vLLM's detokenizer
+  (``_Direct``): no ``RequestOutput`` and no wake-up of the generator, which has nothing to do.
 
 It serves what the generator's middle branch makes of such an event when no per-token extra is
 asked for: ``n`` 1, no ``logprobs``, ``echo``, ``return_token_ids``, ``return_prompt_text`` or
@@ -23,6 +26,7 @@ parser configuration and demands identical bytes. ``derender serve --stream-path
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -35,6 +39,36 @@ log = logging.getLogger("derender.lean")
 PATHS = ("lean", "vllm")
 ENABLED = True  # derender serve --stream-path lean (the default) | vllm
 _MARK = "\x00derender-delta\x00"
+
+
+def memoize_parser_tables() -> None:
+    """vLLM's streaming parser engine, built for every parser object (three per chat request: the
+    render's, the filter's early one and the generator's), rebuilds from the tokenizer's special
+    tokens the same drop table each time: a regex per special token (``regex.escape`` ~0.1 ms
+    each) and a ``LexerShape``, which vLLM documents as immutable and shares. Built once per
+    (engine config, tokenizer) here -- vLLM caches its configs, so they are the same objects --
+    and shared, as vLLM shares the config's own shape; ``--stream-path vllm`` builds them anew.
+    ``tests/test_lean.py`` checks the shared table equals a fresh one for every shipped parser."""
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    build = engine._build_drop_info
+    if getattr(build, "derender_memo", False):
+        return
+    tables: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+
+    def drop_info(config: Any, tokenizer: Any) -> Any:
+        if not ENABLED:
+            return build(config, tokenizer)
+        key = (id(config), id(tokenizer))
+        hit = tables.get(key)
+        if hit is None or hit[0] is not config or hit[1] is not tokenizer:
+            hit = tables[key] = (config, tokenizer, build(config, tokenizer))  # the pair kept: ids stay theirs
+        return hit[2]
+
+    drop_info.derender_memo = True  # type: ignore[attr-defined]
+    drop_info.built = build  # type: ignore[attr-defined]
+    drop_info.tables = tables  # type: ignore[attr-defined]
+    engine._build_drop_info = drop_info
 
 
 def eligible(model: Model, rendered: Rendered) -> bool:
@@ -99,8 +133,21 @@ class LeanChatStream(ChatStream):
         self._raw: Any = None
         self._frame: _Frame | None | bool = None  # False: vLLM's path for the whole stream
         self._lean: list[bytes] = []
+        self._direct: _Direct | None | bool = None  # False: every event through the output processor
         self.handled = 0  # outputs the lean path did itself
+        self.direct = 0  # of those, events done without vLLM's output processor (``_Direct``)
         super().__init__(model, rendered)
+
+    def feed(self, payload: bytes) -> tuple[bytes, bool]:
+        direct = self._direct
+        if direct is None and isinstance(self._frame, _Frame):
+            direct = self._direct = _Direct.of(self)
+        if (direct and not self._queue and self._taken and self._failure is None and not self._ended
+                and not self.finished and not self._early):
+            data = direct.event(self, payload)
+            if data is not None:
+                return data, False
+        return super().feed(payload)
 
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
@@ -125,6 +172,8 @@ class LeanChatStream(ChatStream):
             return super()._pump()
         lean = b"".join(self._lean)
         self._lean.clear()
+        if self._step is not None and not self._queue and self._failure is None and not self._ended and not self._early:
+            return lean  # vLLM's generator waits for an output and none came: it would wait again
         return lean + super()._pump()
 
     def _middle(self, res: Any) -> bytes | None:
@@ -140,18 +189,23 @@ class LeanChatStream(ChatStream):
         output = res.outputs[0]
         if output.finish_reason is not None:
             return None
+        return self._middle_step(output.text, as_list(output.token_ids), res.prompt_token_ids)
+
+    def _middle_step(self, text: str, ids: list[int], prompt_token_ids: Any) -> bytes:
+        """The generator's middle branch for choice 0's new ``text`` and ``ids``."""
+        frame = self._frame
+        assert isinstance(frame, _Frame)
         self.handled += 1
-        processor = frame.processors[output.index]
-        text, ids = output.text, output.token_ids
+        processor = frame.processors[0]
         if not text and not ids and not processor.num_output_tokens:
             return b""  # the generator's "chunked prefill" case: nothing to send
         try:
-            delta, _ = processor.step(text, as_list(ids), None, res.prompt_token_ids)
+            delta, _ = processor.step(text, ids, None, prompt_token_ids)
         except Exception as exc:  # the generator's own answer to a failing parser: its error chunk
             self._failure = exc
             return b""
         if processor.parser is not None and frame.reasoning_details:
-            frame.generated[output.index].extend(ids)
+            frame.generated[0].extend(ids)
         if delta is None:
             return b""
         return frame.head + delta.__pydantic_serializer__.to_json(delta, exclude_unset=True) + frame.tail
@@ -162,6 +216,74 @@ class LeanChatStream(ChatStream):
         except (AttributeError, KeyError, TypeError, ValueError):
             log.warning("vLLM's chat stream generator is not as expected: its path for this stream", exc_info=True)
             return False
+
+
+class _Direct:
+    """A middle event straight to the choice's detokenizer, as vLLM's ``OutputProcessor`` does it.
+
+    For a choice whose per-token work in ``OutputProcessor.process_outputs`` is only the
+    detokenizer -- one choice, no stop strings, no logprobs, no prompt logprobs, one output per
+    engine step, delta outputs, prefill over -- a token event that finishes nothing changes the
+    request state in two calls: ``detokenizer.update`` and ``get_next_output_text``. ``event``
+    makes those two calls and hands the text to ``LeanChatStream._middle``'s processor step,
+    skipping the ``EngineCoreOutput``, ``RequestOutput`` and ``CompletionOutput`` objects and
+    the generator's wake-up. Any other event (a finish, an error, usage, another choice, a bad
+    token id) returns None before touching anything, and takes the full path.
+    """
+
+    __slots__ = ("state", "detokenizer", "vocab_size")
+
+    def __init__(self, state: Any, vocab_size: int) -> None:
+        self.state = state
+        self.detokenizer = state.detokenizer
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def of(cls, stream: LeanChatStream) -> _Direct | bool:
+        from vllm.sampling_params import RequestOutputKind
+
+        outputs = stream.outputs
+        state = outputs.processor.request_states.get(outputs.child_ids[0]) if outputs.n == 1 else None
+        if state is None or outputs.num_logprobs is not None or state.detokenizer is None:
+            return False
+        if (state.detokenizer.stop or state.stream_interval != 1 or state.output_kind != RequestOutputKind.DELTA
+                or state.parent_req is not None or state.streaming_input or state.is_prefilling
+                or getattr(state.logprobs_processor, "num_prompt_logprobs", None) is not None):
+            return False
+        return cls(state, outputs.vocab_size)
+
+    def event(self, stream: LeanChatStream, payload: bytes) -> bytes | None:
+        if payload[:1] != b"{":
+            return None
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return None
+        choices = event.get("choices")
+        if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
+                or len(choices) != 1):
+            return None
+        choice = choices[0]
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return None
+        index = choice.get("index", 0)
+        if type(index) is not int or index != 0:
+            return None
+        ids = choice.get("token_ids") or []
+        vocab = self.vocab_size
+        if type(ids) is not list or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            return None
+        if stream.producer_request_id is None:
+            stream.producer_request_id = event.get("request_id")
+        detokenizer = self.detokenizer
+        detokenizer.update(ids, False)  # no stop strings: never one found
+        text = detokenizer.get_next_output_text(False, True)
+        stream.completion_tokens += len(ids)
+        stream.direct += 1
+        data = stream._middle_step(text, ids, self.state.prompt_token_ids)
+        if stream._failure is not None:  # the parser raised: the generator answers it, as vLLM's would
+            return data + stream._pump()
+        return data
 
 
 async def _serialized(serving: Any, raw: Any):
