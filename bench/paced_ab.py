@@ -1,0 +1,147 @@
+"""Two source trees of the filter side by side at production pacing: CPU per token, by thread.
+
+    .venv/bin/python bench/paced_ab.py --before /path/to/old/checkout            # before vs this tree
+    .venv/bin/python bench/paced_ab.py --before ../old --rounds 5 --out bench/PACED_AB.md
+
+One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
+(``bench/procs.py``'s config) and one filter worker (qwen3 + hermes, ``--workers 1``), started
+from ``--before``'s ``filter/`` (put first on ``PYTHONPATH``) or from this tree, in interleaved
+rounds; each round sends ``--streams`` concurrent reasoning + tool-call streams of ``--tokens``
+tokens, ``--batches`` times over, after one warm-up batch. Per round: the worker's CPU per token,
+its main thread's (the event loop: gRPC's callbacks and the filter's code), the rest of its
+threads (gRPC's poller and C-core threads, the render pool), Envoy's, and ext_proc messages per
+token. The median round of each tree is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import load
+import procs
+import psutil
+import streams
+from derender.ops import assets
+from stream_interval import HERMES, post
+
+
+def commit_of(tree: str | None) -> str:
+    """The tree's commit (and "+ changes" when its work tree differs), for the report."""
+    where = tree or str(BENCH.parent)
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--", "filter"], capture_output=True,
+                               text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + (" + changes" if dirty else "")
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    try:
+        return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+    except psutil.NoSuchProcess:
+        return {}
+
+
+def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace) -> dict:
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
+    started: list[procs.Proc] = []
+    try:
+        sim_port, port = procs.free_port(), procs.free_port()
+        sim = procs.Proc("ab-sim", [procs.PYTHON, "-m", "derender.cli", "sim", "--model", model_dir, "--port", str(sim_port),
+                                    "--mode", "script", "--script", str(script)]).start()
+        started.append(sim)
+        server = procs.Proc("ab-filter", [procs.PYTHON, "-m", "derender.cli", "serve", "--model", model_dir,
+                                          "--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--port",
+                                          str(port), "--producer", f"http://127.0.0.1:{sim_port}", "--workers", "1"],
+                            env=env).start()
+        started.append(server)
+        sim.wait(lambda: procs.http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
+        server.wait(lambda: procs.tcp_open(port), 600)
+        envoy = procs.start_envoy("ab-envoy", sim_port, port)
+        started.append(envoy.proc)
+        envoy.proc.wait(lambda: procs.http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
+        post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay})
+        body = json.dumps(streams.chat_request("qwen3", True)).encode()
+        url = envoy.url + "/v1/chat/completions"
+        asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
+        threads0, stats0, envoy0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu()
+        results, _ = asyncio.run(load.streams(url, body, args.streams * args.batches, args.streams, ramp=1.0))
+        threads1, stats1, envoy1 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu()
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+    tokens = args.tokens * sum(1 for r in results if r.done)
+    used = {tid: cpu - threads0.get(tid, 0.0) for tid, cpu in threads1.items()}
+    main = used.get(server.pid, 0.0)
+    msgs = stats1.get("stream_msgs_sent", 0) - stats0.get("stream_msgs_sent", 0)
+    per = lambda seconds: seconds / max(tokens, 1) * 1e6
+    return {"worker": per(sum(used.values())), "main": per(main), "other": per(sum(used.values()) - main),
+            "envoy": per(envoy1 - envoy0), "msgs": msgs / max(tokens, 1), "failed": len(results) - sum(1 for r in results if r.done)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="a checkout of the filter to compare this tree with")
+    parser.add_argument("--after", default=None, help="the other checkout (default: this tree)")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--batches", type=int, default=4, help="batches of --streams measured per round (default 4)")
+    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
+    args = parser.parse_args()
+    procs.exit_on_sigterm()
+    model_dir = str(assets.fetch("qwen3"))
+    procs.LOGS.mkdir(parents=True, exist_ok=True)
+    script = procs.LOGS / "paced-ab-script.jsonl"
+    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, args.tokens)))
+    trees = {"before": args.before, "after": args.after}
+    rounds: dict[str, list[dict]] = {name: [] for name in trees}
+    for i in range(args.rounds):
+        for name, tree in trees.items():
+            result = one_round(tree, model_dir, script, args)
+            rounds[name].append(result)
+            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k == "msgs" else f"{k} {v:.0f}"
+                                                        for k, v in result.items()), flush=True)
+    median = {name: sorted(rs, key=lambda r: r["worker"])[len(rs) // 2] for name, rs in rounds.items()}
+    lines = [
+        "# Two trees of the filter at production pacing",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/paced_ab.py "
+        f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
+        f"--rounds {args.rounds}`: "
+        f"{args.streams} concurrent qwen3 + hermes streams of {args.tokens} tokens, one token per event every "
+        f"{args.delay * 1e3:.0f} ms, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
+        f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",
+        "",
+        "| tree | worker | its main thread | its other threads | Envoy | worker + Envoy | ext_proc msgs/token | failed | every round (worker) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in median.items():
+        every = " / ".join(f"{x['worker']:.0f}" for x in rounds[name])
+        lines.append(f"| {name} ({commit_of(trees[name])}) | {r['worker']:.0f} | {r['main']:.0f} | {r['other']:.0f} | "
+                     f"{r['envoy']:.0f} | {r['worker'] + r['envoy']:.0f} | {r['msgs']:.2f} | {r['failed']} | {every} |")
+    b, a = median["before"], median["after"]
+    lines += ["", f"After / before: worker {a['worker'] / b['worker']:.2f}x, worker + Envoy "
+                  f"{(a['worker'] + a['envoy']) / (b['worker'] + b['envoy']):.2f}x, main thread {a['main'] / b['main']:.2f}x."]
+    procs.write_report(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
