@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -148,3 +149,33 @@ def start_envoy(name: str, producer_port: int, filter_port: int | None, full_dup
     argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"]
     proc = Proc(name, argv).start()
     return Envoy(proc, port, admin)
+
+
+def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
+                env: dict[str, str] | None = None, sim: list[str] | None = None) -> tuple[Proc, Envoy]:
+    """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the
+    caller's ``finally``): a simulator in script mode (``sim``: its program, default ``derender sim``)
+    sending ``script``'s tokens one event every ``delay`` seconds, a filter (``derender serve --model
+    model_dir`` and ``serve_args``, with ``env``) producing from it, and Envoy in front. Returns the
+    filter and Envoy, both ready."""
+    sim_port, port = free_port(), free_port()
+    producer = Proc(f"{name}-sim", [*(sim or [PYTHON, "-m", "derender.cli", "sim"]), "--model", model_dir, "--port",
+                                    str(sim_port), "--mode", "script", "--script", str(script)]).start()
+    started.append(producer)
+    server = Proc(f"{name}-filter", [PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve_args, "--port",
+                                     str(port), "--producer", f"http://127.0.0.1:{sim_port}"], env=env).start()
+    started.append(server)
+    producer.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
+    server.wait(lambda: tcp_open(port), 600)
+    envoy = start_envoy(f"{name}-envoy", sim_port, port)
+    started.append(envoy.proc)
+    envoy.proc.wait(lambda: http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
+    post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay})
+    return server, envoy
+
+
+def post(url: str, body: dict) -> None:
+    """POST ``body`` as JSON (the simulator's ``/sim/config``)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        r.read()

@@ -34,7 +34,7 @@ import load
 import procs
 import streams
 from derender.ops import assets
-from stream_interval import HERMES, post
+from stream_interval import HERMES
 
 
 def summarize(raw: Path, errors: int) -> list[str]:
@@ -93,21 +93,9 @@ def main() -> int:
     raw = procs.LOGS / f"profile-paced-{args.stream_path}.raw"
     started: list[procs.Proc] = []
     try:
-        sim_port, port = procs.free_port(), procs.free_port()
-        sim = procs.Proc("sim", [procs.PYTHON, "-m", "derender.cli", "sim", "--model", model_dir, "--port", str(sim_port),
-                                 "--mode", "script", "--script", str(script)]).start()
-        started.append(sim)
-        server = procs.Proc("filter-profiled", [procs.PYTHON, "-m", "derender.cli", "serve", "--model", model_dir,
-                                                "--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES,
-                                                "--stream-path", args.stream_path, "--port", str(port), "--producer",
-                                                f"http://127.0.0.1:{sim_port}", "--workers", "1"]).start()
-        started.append(server)
-        sim.wait(lambda: procs.http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
-        server.wait(lambda: procs.tcp_open(port), 600)
-        envoy = procs.start_envoy("envoy-profiled", sim_port, port)
-        started.append(envoy.proc)
-        envoy.proc.wait(lambda: procs.http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
-        post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay})
+        serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--stream-path", args.stream_path,
+                 "--workers", "1"]
+        server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay)
         body = json.dumps(streams.chat_request("qwen3", True)).encode()
         url = envoy.url + "/v1/chat/completions"
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up

@@ -80,24 +80,13 @@ def main() -> int:
     p.LOGS.mkdir(parents=True, exist_ok=True)
     script = p.LOGS / f"script-saturation-{os.getpid()}.jsonl"
     script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, TOKENS)))
-    sim_port, filter_port, metrics_port = p.free_port(), p.free_port(), p.free_port()
-    started = []
+    metrics_port = p.free_port()
+    started: list[p.Proc] = []
     try:
-        sim = p.Proc("sim", [p.PYTHON, str(BENCH / "timed_sim.py"), "--model", model_dir, "--port", str(sim_port),
-                             "--mode", "script", "--script", str(script)]).start()
-        started.append(sim)
-        flt = p.Proc("filter-saturation", [p.PYTHON, "-m", "derender.cli", "serve", "--model", model_dir,
-                                           "--served-model-name", SERVED, "--max-model-len", "40960", *HERMES_FLAGS,
-                                           "--port", str(filter_port), "--producer", f"http://127.0.0.1:{sim_port}",
-                                           "--workers", str(args.workers), "--metrics-port", str(metrics_port)]).start()
-        started.append(flt)
-        sim.wait(lambda: p.http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
-        flt.wait(lambda: p.tcp_open(filter_port), 600)
-        envoy = p.start_envoy("envoy-saturation", sim_port, filter_port)
-        started.append(envoy.proc)
-        envoy.proc.wait(lambda: p.http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
-        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{sim_port}/sim/config", method="POST",
-                                                      data=json.dumps({"delay": args.delay}).encode()), timeout=10)
+        serve = ["--served-model-name", SERVED, "--max-model-len", "40960", *HERMES_FLAGS, "--workers", str(args.workers),
+                 "--metrics-port", str(metrics_port)]
+        flt, envoy = p.start_stack(started, "saturation", model_dir, script, serve, args.delay,
+                                   sim=[p.PYTHON, str(BENCH / "timed_sim.py")])
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         url = envoy.url + "/v1/chat/completions"
         body = json.dumps(streams.chat_request(SERVED, True)).encode()

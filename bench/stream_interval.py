@@ -36,14 +36,6 @@ from derender.ops import assets
 HERMES = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
 
-def post(url: str, body: dict) -> None:
-    import urllib.request
-
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as r:
-        r.read()
-
-
 def measure(envoy: procs.Envoy, server: procs.Proc, body: bytes, count: int, tokens: int) -> dict:
     cpu0 = server.cpu() + envoy.proc.cpu()
     stats0 = envoy.stats()
@@ -102,7 +94,7 @@ def main() -> int:
             envoy.proc.wait(lambda e=envoy: procs.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
             pairs[(n, path)] = (envoy, server)
         body = json.dumps(streams.chat_request("qwen3", True)).encode()
-        post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay})
+        procs.post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay})
         for n, (envoy, server) in pairs.items():  # warm-up: every worker has served a stream
             measure(envoy, server, body, args.streams, args.tokens)
         rounds: dict[tuple[int, str], list[dict]] = {key: [] for key in pairs}

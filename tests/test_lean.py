@@ -13,6 +13,7 @@ done the middle events itself (so the test compares two paths, not one with itse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 
@@ -90,6 +91,18 @@ def normal(data: bytes) -> bytes:
     return TOOL_CALL_ID.sub(b'"id":"call-id"', CREATED.sub(b'"created":0', data))
 
 
+@contextlib.contextmanager
+def vllm_path():
+    """Streams built inside take vLLM's path for every event (``--stream-path vllm``)."""
+    from derender.translate import lean
+
+    lean.ENABLED = False
+    try:
+        yield
+    finally:
+        lean.ENABLED = True
+
+
 def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int, int]:
     """(vLLM's bytes, the lean path's bytes, middle events the lean path did itself, of those
     the events it did without vLLM's output processor)."""
@@ -100,7 +113,10 @@ def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, 
     assert reference.request_id == rendered.request_id
     assert lean.eligible(model, rendered), body
     lean_stream = lean.LeanChatStream(model, rendered)
-    vllm_bytes = run(ChatStream(model, reference), payloads)
+    with vllm_path():
+        vllm_stream = ChatStream(model, reference)
+    assert vllm_stream.outputs.direct_state is None
+    vllm_bytes = run(vllm_stream, payloads)
     lean_bytes = run(lean_stream, payloads)
     # ``created`` is the second each generator started in, tool call ids are random: all else is equal.
     return normal(vllm_bytes), normal(lean_bytes), lean_stream.handled, lean_stream.direct
@@ -189,6 +205,62 @@ def test_lean_path_sends_vllms_bytes(name):
 ENGINE_PARSERS = ("qwen3", "qwen2-vl")
 
 
+SIGNATURE = re.compile(rb'"signature":"[0-9a-f]{32}"')  # a thinking block's, uuid4 per block in vLLM too
+TOOL_USE_ID = re.compile(rb'"id":"(chatcmpl-tool|call|toolu)[_-][0-9a-zA-Z-]{8,}"')
+
+
+def messages_body(chat: dict) -> dict:
+    """The Anthropic Messages request asking what ``chat`` asks (stop strings as stop_sequences)."""
+    body = {"model": chat["model"], "max_tokens": chat["max_tokens"], "messages": chat["messages"], "stream": True}
+    if "tools" in chat:
+        body["tools"] = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                          "input_schema": t["function"]["parameters"]} for t in chat["tools"]]
+        choice = chat.get("tool_choice", "auto")
+        body["tool_choice"] = ({"type": "tool", "name": choice["function"]["name"]} if isinstance(choice, dict)
+                               else {"type": {"auto": "auto", "none": "none", "required": "any"}[choice]})
+    if "stop" in chat:
+        body["stop_sequences"] = chat["stop"]
+    return body
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "qwen2-vl"])
+def test_messages_outputs_skip_vllms_output_processor_with_its_bytes(name):
+    """Messages (and every stream that runs vLLM's generator per event: Responses, completions, the
+    chat events the lean path leaves to it) takes a token event that finishes nothing straight to
+    the choice's detokenizer and vLLM's own ``make_request_output`` (``ChoiceOutputs.direct_state``).
+    Over the same drawn streams as above, through vLLM's Anthropic stream generator: the bytes of a
+    stream built on vLLM's path (every event through ``process_outputs``) and of one built on the
+    lean path are identical, and the direct step did most events."""
+    from derender.endpoints.messages import MessagesStream, render_messages
+
+    model, _ = served(name)
+    done = []
+
+    def rendered(body: dict):
+        return asyncio.run(render_messages(model, json.dumps(body).encode(), "lean-diff"))
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(streams(name))
+    def check(drawn):
+        chat, payloads = drawn
+        if chat.get("chat_template_kwargs"):  # thinking off: a chat-only knob here
+            return
+        body = messages_body(chat)
+        with vllm_path():
+            reference = MessagesStream(model, rendered(body))
+        lean_stream = MessagesStream(model, rendered(body))
+        assert reference.outputs.direct_state is None
+        vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
+        clean = lambda data: SIGNATURE.sub(b'"signature":"sig"', TOOL_USE_ID.sub(b'"id":"call-id"', data))
+        assert clean(lean_bytes) == clean(vllm_bytes), body
+        events = sum(1 for p in payloads if b'"choices":[{' in p)
+        done.append((lean_stream.outputs.direct_steps, events))
+
+    check()
+    direct, events = sum(d for d, _ in done), sum(e for _, e in done)
+    assert events > 0 and direct >= events // 3, (direct, events)
+
+
 def _shape(info) -> tuple:
     if info is None:
         return (None,)
@@ -252,7 +324,8 @@ def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
     from derender.translate.stream import ChatStream
 
     reference, rendered = render(model, body), render(model, body)
-    vllm_bytes = run(ChatStream(model, reference), payloads)
+    with vllm_path():
+        vllm_bytes = run(ChatStream(model, reference), payloads)
     calls["n"] = 1000
     stream = lean.LeanChatStream(model, rendered)
     lean_bytes = run(stream, payloads)

@@ -222,12 +222,12 @@ class _Direct:
     """A middle event straight to the choice's detokenizer, as vLLM's ``OutputProcessor`` does it.
 
     For a choice whose per-token work in ``OutputProcessor.process_outputs`` is only the
-    detokenizer -- one choice, no stop strings, no logprobs, no prompt logprobs, one output per
-    engine step, delta outputs, prefill over -- a token event that finishes nothing changes the
-    request state in two calls: ``detokenizer.update`` and ``get_next_output_text``. ``event``
-    makes those two calls and hands the text to ``LeanChatStream._middle``'s processor step,
-    skipping the ``EngineCoreOutput``, ``RequestOutput`` and ``CompletionOutput`` objects and
-    the generator's wake-up. Any other event (a finish, an error, usage, another choice, a bad
+    detokenizer (``ChoiceOutputs.direct_state``: one choice, no stop strings, no logprobs, one
+    output per engine step, delta outputs), once prefill is over, a token event that finishes
+    nothing changes the request state in two calls: ``detokenizer.update`` and
+    ``get_next_output_text``. ``event`` makes those two calls and hands the text to
+    ``LeanChatStream._middle``'s processor step, skipping the ``RequestOutput`` and
+    ``CompletionOutput`` objects and the generator's wake-up. Any other event (a finish, an error, usage, another choice, a bad
     token id) returns None before touching anything, and takes the full path.
     """
 
@@ -240,20 +240,11 @@ class _Direct:
 
     @classmethod
     def of(cls, stream: LeanChatStream) -> _Direct | bool:
-        from vllm.sampling_params import RequestOutputKind
-
-        outputs = stream.outputs
-        state = outputs.processor.request_states.get(outputs.child_ids[0]) if outputs.n == 1 else None
-        if state is None or outputs.num_logprobs is not None or state.detokenizer is None:
-            return False
-        if (state.detokenizer.stop or state.stream_interval != 1 or state.output_kind != RequestOutputKind.DELTA
-                or state.parent_req is not None or state.streaming_input or state.is_prefilling
-                or getattr(state.logprobs_processor, "num_prompt_logprobs", None) is not None):
-            return False
-        return cls(state, outputs.vocab_size)
+        state = stream.outputs.direct_state  # None unless the output processor only detokenizes
+        return False if state is None else cls(state, stream.outputs.vocab_size)
 
     def event(self, stream: LeanChatStream, payload: bytes) -> bytes | None:
-        if payload[:1] != b"{":
+        if payload[:1] != b"{" or self.state.is_prefilling:
             return None
         try:
             event = json.loads(payload)

@@ -76,6 +76,7 @@ class ChoiceOutputs:
         stream: bool,
         vocab_size: int | None = None,
         cached_tokens: bool = False,
+        direct: bool = False,
     ) -> None:
         # Ids the model cannot emit decode to nothing: refuse them rather than count phantom tokens.
         self.vocab_size = vocab_size or len(tokenizer)
@@ -117,6 +118,22 @@ class ChoiceOutputs:
                 self.child_ids.append(child_id)
         for child_id in self.child_ids:
             prime_with_tail(self.processor.request_states[child_id].detokenizer, prompt_token_ids)
+        # The request state whose token events may skip ``process_outputs`` (``step``), if any.
+        self.direct_state = self._direct_state(params) if direct else None
+        self.direct_steps = 0  # events that skipped process_outputs
+
+    def _direct_state(self, params: SamplingParams) -> Any:
+        """The one choice's request state, when all ``OutputProcessor.process_outputs`` does for an
+        event that finishes nothing is to detokenize it and make the output: one choice, delta
+        outputs, one output per event, no stop strings, no logprobs of any kind."""
+        state = self.processor.request_states.get(self.child_ids[0]) if self.n == 1 else None
+        if state is None or state.detokenizer is None or state.logprobs_processor is None:
+            return None
+        if (self.num_logprobs is not None or params.prompt_logprobs is not None or state.detokenizer.stop
+                or state.stream_interval != 1 or state.output_kind != RequestOutputKind.DELTA
+                or state.parent_req is not None or state.streaming_input):
+            return None
+        return state
 
     @property
     def done(self) -> bool:
@@ -145,6 +162,19 @@ class ChoiceOutputs:
             finish = FINISH_REASONS.get(reason)
             if finish is None:
                 raise ProducerError(f"producer sent unknown finish_reason {reason!r}")
+        state = self.direct_state
+        if finish is None and state is not None and not state.is_prefilling:
+            # What process_outputs does for this event: the detokenizer's update (no stop strings:
+            # it finds none), then vLLM's own output of the request state (no stats, no logprobs).
+            self.direct_steps += 1
+            token_ids = list(token_ids)
+            state.detokenizer.update(token_ids, False)
+            out = state.make_request_output(token_ids, None, None, None)
+            if out is None:
+                return [], False
+            if self.cached is not None:
+                out.num_cached_tokens = self.cached
+            return [out], False
         logprobs = choice.get("logprobs")
         output = EngineCoreOutput(
             request_id=self.child_ids[index],

@@ -34,7 +34,10 @@ _WAIT = _WaitForEvent()
 
 
 def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceOutputs:
-    """The live output state of one rendered request on ``model``."""
+    """The live output state of one rendered request on ``model``; with the lean path on
+    (``--stream-path lean``), its token events may skip vLLM's ``process_outputs``."""
+    from . import lean
+
     return ChoiceOutputs(
         model.tokenizer,
         rendered.request_id,
@@ -43,6 +46,7 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
         stream=stream,
         vocab_size=model.model_config.get_vocab_size(),
         cached_tokens=model.prompt_tokens_details,
+        direct=lean.ENABLED,
     )
 
 
