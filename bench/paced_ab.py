@@ -111,7 +111,7 @@ def main() -> int:
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/paced_ab.py "
         f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
-        f"--rounds {args.rounds}`: "
+        f"--rounds {args.rounds} --batches {args.batches}`: "
         f"{args.streams} concurrent qwen3 + hermes streams of {args.tokens} tokens, one token per event every "
         f"{args.delay * 1e3:.0f} ms, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
         f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",
