@@ -13,7 +13,7 @@ the middle events, which carry no finish reason, itself, the way the generator's
   halves of a chunk that vLLM's models serialized once per stream (a marker delta cut out);
 - from the second middle event on, when the choice's output processor does nothing per token but
   detokenize (no stop strings, no logprobs), the event goes straight to vLLM's detokenizer
-  (``_Direct``): no ``RequestOutput`` and no wake-up of the generator, which has nothing to do.
+  (``_direct``): no ``RequestOutput`` and no wake-up of the generator, which has nothing to do.
 
 It serves what the generator's middle branch makes of such an event when no per-token extra is
 asked for: ``n`` 1, no ``logprobs``, ``echo``, ``return_token_ids``, ``return_prompt_text`` or
@@ -133,21 +133,47 @@ class LeanChatStream(ChatStream):
         self._raw: Any = None
         self._frame: _Frame | None | bool = None  # False: vLLM's path for the whole stream
         self._lean: list[bytes] = []
-        self._direct: _Direct | None | bool = None  # False: every event through the output processor
         self.handled = 0  # outputs the lean path did itself
-        self.direct = 0  # of those, events done without vLLM's output processor (``_Direct``)
+        self.direct = 0  # of those, events done without a RequestOutput (``_direct``)
         super().__init__(model, rendered)
 
     def feed(self, payload: bytes) -> tuple[bytes, bool]:
-        direct = self._direct
-        if direct is None and isinstance(self._frame, _Frame):
-            direct = self._direct = _Direct.of(self)
-        if (direct and not self._queue and self._taken and self._failure is None and not self._ended
-                and not self.finished and not self._early):
-            data = direct.event(self, payload)
+        if (self.outputs.direct_state is not None and isinstance(self._frame, _Frame) and not self._queue
+                and self._taken and self._failure is None and not self._ended and not self.finished
+                and not self._early):
+            data = self._direct(payload)
             if data is not None:
                 return data, False
         return super().feed(payload)
+
+    def _direct(self, payload: bytes) -> bytes | None:
+        """A middle event with no ``RequestOutput`` at all, when the choice's output processor would
+        only detokenize it (``ChoiceOutputs.direct_text``: one choice, no stop strings, no logprobs):
+        its new text from the detokenizer, then the parsers' step; the generator, which would only
+        wait again, is not woken. Any other event (a finish, an error, usage, another choice, a bad
+        token id) returns None before anything changed, for the full path."""
+        if payload[:1] != b"{":
+            return None
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return None
+        choices = event.get("choices")
+        if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
+                or len(choices) != 1 or type(choices[0]) is not dict):
+            return None
+        got = self.outputs.direct_text(choices[0])
+        if got is None:
+            return None
+        text, ids = got
+        if self.producer_request_id is None:
+            self.producer_request_id = event.get("request_id")
+        self.completion_tokens += len(ids)
+        self.direct += 1
+        data = self._middle_step(text, ids, self.outputs.direct_state.prompt_token_ids)
+        if self._failure is not None:  # the parser raised: the generator answers it, as vLLM's would
+            return data + self._pump()
+        return data
 
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
@@ -216,65 +242,6 @@ class LeanChatStream(ChatStream):
         except (AttributeError, KeyError, TypeError, ValueError):
             log.warning("vLLM's chat stream generator is not as expected: its path for this stream", exc_info=True)
             return False
-
-
-class _Direct:
-    """A middle event straight to the choice's detokenizer, as vLLM's ``OutputProcessor`` does it.
-
-    For a choice whose per-token work in ``OutputProcessor.process_outputs`` is only the
-    detokenizer (``ChoiceOutputs.direct_state``: one choice, no stop strings, no logprobs, one
-    output per engine step, delta outputs), once prefill is over, a token event that finishes
-    nothing changes the request state in two calls: ``detokenizer.update`` and
-    ``get_next_output_text``. ``event`` makes those two calls and hands the text to
-    ``LeanChatStream._middle``'s processor step, skipping the ``RequestOutput`` and
-    ``CompletionOutput`` objects and the generator's wake-up. Any other event (a finish, an error, usage, another choice, a bad
-    token id) returns None before touching anything, and takes the full path.
-    """
-
-    __slots__ = ("state", "detokenizer", "vocab_size")
-
-    def __init__(self, state: Any, vocab_size: int) -> None:
-        self.state = state
-        self.detokenizer = state.detokenizer
-        self.vocab_size = vocab_size
-
-    @classmethod
-    def of(cls, stream: LeanChatStream) -> _Direct | bool:
-        state = stream.outputs.direct_state  # None unless the output processor only detokenizes
-        return False if state is None else cls(state, stream.outputs.vocab_size)
-
-    def event(self, stream: LeanChatStream, payload: bytes) -> bytes | None:
-        if payload[:1] != b"{" or self.state.is_prefilling:
-            return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        choices = event.get("choices")
-        if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
-                or len(choices) != 1):
-            return None
-        choice = choices[0]
-        if type(choice) is not dict or choice.get("finish_reason") is not None:
-            return None
-        index = choice.get("index", 0)
-        if type(index) is not int or index != 0:
-            return None
-        ids = choice.get("token_ids") or []
-        vocab = self.vocab_size
-        if type(ids) is not list or not all(type(t) is int and 0 <= t < vocab for t in ids):
-            return None
-        if stream.producer_request_id is None:
-            stream.producer_request_id = event.get("request_id")
-        detokenizer = self.detokenizer
-        detokenizer.update(ids, False)  # no stop strings: never one found
-        text = detokenizer.get_next_output_text(False, True)
-        stream.completion_tokens += len(ids)
-        stream.direct += 1
-        data = stream._middle_step(text, ids, self.state.prompt_token_ids)
-        if stream._failure is not None:  # the parser raised: the generator answers it, as vLLM's would
-            return data + stream._pump()
-        return data
 
 
 async def _serialized(serving: Any, raw: Any):

@@ -139,18 +139,14 @@ class ChoiceOutputs:
     def done(self) -> bool:
         return all(self.finished)
 
-    def step(self, choice: dict[str, Any]) -> tuple[list[RequestOutput], bool]:
-        """Apply one producer choice event.
-
-        Returns the ``RequestOutput``s it yields and whether the producer
-        request must be aborted now (every choice finished, one of them at a
-        stop string the producer does not know about).
-        """
+    def _checked(self, choice: dict[str, Any]) -> tuple[int, list[int], FinishReason | None] | None:
+        """A producer choice event's (index, token ids, finish reason); None if that choice has
+        finished already. Raises ``ProducerError`` for what no producer sends."""
         index = choice.get("index", 0)
         if not isinstance(index, int) or not 0 <= index < self.n:
             raise ProducerError(f"producer sent choice index {index!r} for n={self.n}")
         if self.finished[index]:
-            return [], False
+            return None
         token_ids = choice.get("token_ids") or []
         if not isinstance(token_ids, list) or not all(
             type(t) is int and 0 <= t < self.vocab_size for t in token_ids
@@ -162,12 +158,45 @@ class ChoiceOutputs:
             finish = FINISH_REASONS.get(reason)
             if finish is None:
                 raise ProducerError(f"producer sent unknown finish_reason {reason!r}")
+        return index, list(token_ids), finish
+
+    def _direct(self, finish: FinishReason | None) -> Any:
+        """The request state, if this event may skip ``process_outputs`` (``direct_state``, prefill over)."""
         state = self.direct_state
-        if finish is None and state is not None and not state.is_prefilling:
+        return state if finish is None and state is not None and not state.is_prefilling else None
+
+    def direct_text(self, choice: dict[str, Any]) -> tuple[str, list[int]] | None:
+        """The lean chat path's step: a choice event's new text and ids, straight from the detokenizer,
+        with no ``RequestOutput`` made; None, with nothing changed, unless ``step`` would skip
+        ``process_outputs`` for it."""
+        try:
+            checked = self._checked(choice)
+        except ProducerError:  # ``step`` raises it
+            return None
+        state = self._direct(checked[2]) if checked is not None else None
+        if state is None:
+            return None
+        self.direct_steps += 1
+        ids = checked[1]
+        state.detokenizer.update(ids, False)  # no stop strings: it finds none
+        return state.detokenizer.get_next_output_text(False, True), ids
+
+    def step(self, choice: dict[str, Any]) -> tuple[list[RequestOutput], bool]:
+        """Apply one producer choice event.
+
+        Returns the ``RequestOutput``s it yields and whether the producer
+        request must be aborted now (every choice finished, one of them at a
+        stop string the producer does not know about).
+        """
+        checked = self._checked(choice)
+        if checked is None:
+            return [], False
+        index, token_ids, finish = checked
+        state = self._direct(finish)
+        if state is not None:
             # What process_outputs does for this event: the detokenizer's update (no stop strings:
             # it finds none), then vLLM's own output of the request state (no stats, no logprobs).
             self.direct_steps += 1
-            token_ids = list(token_ids)
             state.detokenizer.update(token_ids, False)
             out = state.make_request_output(token_ids, None, None, None)
             if out is None:
@@ -178,7 +207,7 @@ class ChoiceOutputs:
         logprobs = choice.get("logprobs")
         output = EngineCoreOutput(
             request_id=self.child_ids[index],
-            new_token_ids=list(token_ids),
+            new_token_ids=token_ids,
             new_logprobs=self._logprobs(logprobs, token_ids) if self.num_logprobs is not None and token_ids else None,
             finish_reason=finish,
             stop_reason=choice.get("stop_reason"),
