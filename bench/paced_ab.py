@@ -31,7 +31,6 @@ import load
 import procs
 import psutil
 import streams
-from derender.ops import assets
 from stream_interval import HERMES
 
 
@@ -93,10 +92,7 @@ def main() -> int:
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
-    model_dir = str(assets.fetch("qwen3"))
-    procs.LOGS.mkdir(parents=True, exist_ok=True)
-    script = procs.LOGS / "paced-ab-script.jsonl"
-    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, args.tokens)))
+    model_dir, script = procs.reasoning_script("paced-ab", args.tokens)
     trees = {"before": args.before, "after": args.after}
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     for i in range(args.rounds):

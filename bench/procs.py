@@ -151,6 +151,19 @@ def start_envoy(name: str, producer_port: int, filter_port: int | None, full_dup
     return Envoy(proc, port, admin)
 
 
+def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
+    """The bench's Qwen3 folder (fetched if missing) and a simulator script, in the log folder, of
+    one Qwen3 reasoning + hermes tool-call answer of ``tokens`` tokens."""
+    import streams  # the bench's token streams (bench/ is on sys.path for every bench script)
+    from derender.ops import assets
+
+    model_dir = str(assets.fetch("qwen3"))
+    LOGS.mkdir(parents=True, exist_ok=True)
+    script = LOGS / f"{name}-script-{os.getpid()}.jsonl"
+    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, tokens)))
+    return model_dir, script
+
+
 def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
                 env: dict[str, str] | None = None, sim: list[str] | None = None) -> tuple[Proc, Envoy]:
     """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the

@@ -33,7 +33,6 @@ sys.path.insert(0, str(BENCH))
 import load
 import procs
 import streams
-from derender.ops import assets
 from stream_interval import HERMES
 
 
@@ -86,10 +85,7 @@ def main() -> int:
     if spy is None:
         raise SystemExit("py-spy is not installed: .venv/bin/pip install -e '.[bench]'")
     procs.exit_on_sigterm()
-    model_dir = str(assets.fetch("qwen3"))
-    procs.LOGS.mkdir(parents=True, exist_ok=True)
-    script = procs.LOGS / "profile-paced-script.jsonl"
-    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, args.tokens)))
+    model_dir, script = procs.reasoning_script("profile-paced", args.tokens)
     raw = procs.LOGS / f"profile-paced-{args.stream_path}.raw"
     started: list[procs.Proc] = []
     try:

@@ -31,7 +31,6 @@ sys.path.insert(0, str(BENCH))
 import load  # noqa: E402
 import procs  # noqa: E402
 import streams  # noqa: E402
-from derender.ops import assets  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 SERVED = "qwen3"
@@ -75,11 +74,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=None, help="markdown report (default: print only)")
     args = parser.parse_args()
-    model_dir = str(assets.fetch("qwen3", quiet=True))
     p = procs
-    p.LOGS.mkdir(parents=True, exist_ok=True)
-    script = p.LOGS / f"script-saturation-{os.getpid()}.jsonl"
-    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, TOKENS)))
+    model_dir, script = p.reasoning_script("saturation", TOKENS)
     metrics_port = p.free_port()
     started: list[p.Proc] = []
     try:

@@ -31,7 +31,6 @@ sys.path.insert(0, str(BENCH))
 import load
 import procs
 import streams
-from derender.ops import assets
 
 HERMES = ["--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
@@ -67,10 +66,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(BENCH / "STREAM_INTERVAL.md"), help="the report ('-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
-    model_dir = str(assets.fetch("qwen3"))
-    procs.LOGS.mkdir(parents=True, exist_ok=True)
-    script = procs.LOGS / "stream-interval-script.jsonl"
-    script.write_text(streams.script_line(streams.reasoning_tool_call(model_dir, args.tokens)))
+    model_dir, script = procs.reasoning_script("stream-interval", args.tokens)
     model = ["--model", model_dir, "--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
     started: list[procs.Proc] = []
     try:
@@ -121,7 +117,7 @@ def main() -> int:
         f"the producer sending an event every N tokens; medians of {args.rounds} interleaved rounds on this "
         "2-core machine (every process on the same cores).",
         "",
-        f"| N | --stream-path | Envoy + filter CPU us/token | vs the first row | ext_proc msgs/token | "
+        "| N | --stream-path | Envoy + filter CPU us/token | vs the first row | ext_proc msgs/token | "
         "read gap p50 ms | TTFT p50 ms | failed |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
