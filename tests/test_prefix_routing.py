@@ -334,7 +334,13 @@ def test_precise_routes_later_turns_to_the_replica_holding_them(qwen3_dir):
     try:
         where = stack.conversation("A", "A long conversation about the weather.", 5)
         assert len(set(where)) == 1
-        lines = [line for line in stack.filter.log.read_text().splitlines() if " route=" in line]
+
+        def route_lines() -> list[str]:
+            return [line for line in stack.filter.log.read_text().splitlines() if " route=" in line]
+
+        # A request's log line is written when its ext_proc stream ends, which can come after the
+        # client has read the answer's last byte: wait for the fifth turn's line.
+        lines = wait_for(lambda: len(route_lines()) >= 5 and route_lines(), "the fifth turn's request log line")
         routes = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in lines][-5:]
         # Turns 1-2: nothing known beyond the key's prefix (the consistent hash places them);
         # from turn 3 on, the earlier turn's prompt is longer than the key: matched and asked for.
