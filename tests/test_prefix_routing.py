@@ -29,7 +29,7 @@ SYSTEM = {t: f"You are the assistant of tenant {t}. " + " ".join(f"rule {t}-{i}:
 class Replicas:
     """Envoy + one filter (``--routing MODE``, one worker) + ``REPLICAS`` simulators in one cluster."""
 
-    def __init__(self, model_dir: str, mode: str) -> None:
+    def __init__(self, model_dir: str, mode: str, health_interval: str | None = None) -> None:
         self.procs: list[Proc] = []
         self.sims: list[tuple[Proc, str]] = []
         try:
@@ -40,7 +40,10 @@ class Replicas:
             self.filter, port = start_filter(["--model", model_dir, "--served-model-name", "qwen3", "--routing", mode,
                                               "--workers", "1", "--metrics-port", str(self.metrics)], ",".join(urls))
             self.procs.append(self.filter)
-            cluster = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, mode))
+            producer = envoy_config.producer_cluster("producer", urls, mode)
+            if health_interval:  # how long a dead replica stays in the ring after its last good check
+                producer["health_checks"][0]["interval"] = health_interval
+            cluster = "  - " + json.dumps(producer)
             listen, self.admin = free_port(), free_port()
             config = envoy_config.render("multi.yaml", LISTEN_PORT=listen, ADMIN_PORT=self.admin, FILTER_PORT=port,
                                          PRODUCER_CLUSTERS=cluster)
@@ -327,6 +330,33 @@ def test_a_replica_killed_mid_run_loses_only_its_request_in_flight(qwen3_dir):
                 assert stack.conversation("A", f"after the loss {c}", 1)[0] != home
         finally:
             stack.stop()
+
+
+@pytest.mark.parametrize("mode", ["prefix", "precise"])
+def test_every_key_of_a_dead_replica_is_retried_elsewhere_before_the_health_check_notices(qwen3_dir, mode):
+    """Until the health check marks a dead replica, the consistent hash still sends its keys there;
+    the refused connection is retried on another replica, found by walking the ring from the key's
+    place past the dead replica's entries. A replica holds runs of adjacent entries (several
+    longer than 5 on a ring of 3), so too few host selection attempts leave some of its keys on it:
+    a 503. The health check waits a minute here, so every request meets the dead replica in the ring."""
+    stack = Replicas(qwen3_dir, mode, health_interval="60s")
+    try:
+        proc, _ = stack.sims[0]
+        proc.stop(signal.SIGKILL)
+        failed = []
+        for k in range(300):
+            messages = [{"role": "system", "content": f"Tenant {k}. " + SYSTEM["A"]}, {"role": "user", "content": "hi"}]
+            status, body = http_post(stack.base + "/v1/chat/completions",
+                                     {"model": "qwen3", "messages": messages, "max_tokens": 2}, timeout=60)
+            if status != 200:
+                failed.append((k, status, body[:200]))
+        assert stack.healthy() == REPLICAS  # the dead replica was in the ring throughout
+        _, stats = http_get(f"http://127.0.0.1:{stack.admin}/stats?filter=^cluster\\.producer\\.upstream_rq_retry$")
+        retried = int(stats.decode().strip().rsplit(":", 1)[1])
+        assert not failed, failed
+        assert retried >= 50, retried  # about a third of the keys hashed onto the dead replica
+    finally:
+        stack.stop()
 
 
 def test_precise_routes_later_turns_to_the_replica_holding_them(qwen3_dir):
