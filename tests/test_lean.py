@@ -225,14 +225,14 @@ def messages_body(chat: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "qwen2-vl"])
-def test_messages_outputs_skip_vllms_output_processor_with_its_bytes(name):
-    """Messages (and every stream that runs vLLM's generator per event: Responses, completions, the
-    chat events the lean path leaves to it) takes a token event that finishes nothing straight to
-    the choice's detokenizer and vLLM's own ``make_request_output`` (``ChoiceOutputs.direct_state``).
-    Over the same drawn streams as above, through vLLM's Anthropic stream generator: the bytes of a
-    stream built on vLLM's path (every event through ``process_outputs``) and of one built on the
-    lean path are identical, and the direct step did most events."""
-    from derender.endpoints.messages import MessagesStream, render_messages
+def test_lean_messages_path_sends_vllms_bytes(name):
+    """Messages on the lean path (``LeanMessagesStream``: the lean chat path's middle events, most
+    written from a template of vLLM's Anthropic converter, the rest through the converter) against
+    vLLM's chain (its chat generator and converter for every event, every event through
+    ``process_outputs``), over the same drawn streams as above: identical bytes, and the lean
+    stream did most middle events itself, most without the converter."""
+    from derender.endpoints.messages import LeanMessagesStream, MessagesStream, render_messages
+    from derender.translate import lean
 
     model, _ = served(name)
     done = []
@@ -240,7 +240,7 @@ def test_messages_outputs_skip_vllms_output_processor_with_its_bytes(name):
     def rendered(body: dict):
         return asyncio.run(render_messages(model, json.dumps(body).encode(), "lean-diff"))
 
-    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(streams(name))
     def check(drawn):
         chat, payloads = drawn
@@ -249,19 +249,25 @@ def test_messages_outputs_skip_vllms_output_processor_with_its_bytes(name):
         body = messages_body(chat)
         with vllm_path():
             reference = MessagesStream(model, rendered(body))
-        lean_stream = MessagesStream(model, rendered(body))
+        lean_rendered = rendered(body)
+        assert lean.eligible(model, lean_rendered, continuous_usage=True)
+        lean_stream = LeanMessagesStream(model, lean_rendered)
         assert reference.outputs.direct_state is None
         vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
         clean = lambda data: SIGNATURE.sub(b'"signature":"sig"', TOOL_USE_ID.sub(b'"id":"call-id"', data))
         assert clean(lean_bytes) == clean(vllm_bytes), body
         middle = max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 2)  # neither the first nor the last
-        done.append((lean_stream.outputs.direct_steps, middle))
+        if "stop" not in chat:  # a stop string ends a stream early and sends all events through process_outputs
+            done.append((lean_stream.handled, lean_stream.direct, lean_stream.templated, middle, lean_stream.converted))
 
     check()
-    # The first event (prefill) and the last (its finish) take process_outputs; most middle events
-    # did not (a stream with stop strings sends all of its events through it).
-    direct, middle = sum(d for d, _ in done), sum(m for _, m in done)
-    assert middle > 0 and direct >= middle // 3, (direct, middle)
+    handled, direct, templated, middle, converted = (sum(d[i] for d in done) for i in range(5))
+    assert middle > 0 and handled >= middle // 3, (handled, middle)
+    after_first = sum(max(0, d[3] - 1) for d in done)
+    assert after_first > 0 and direct >= after_first // 3, (direct, after_first)
+    # Of the middle deltas the parsers sent, reasoning or text inside an open block took the template
+    # (about half seen; tool-call arguments and block changes go to the converter).
+    assert templated >= (templated + converted) // 4, (templated, converted)
 
 
 def _shape(info) -> tuple:

@@ -71,26 +71,38 @@ async def end_stall(exchange) -> bytes:
     return await exchange.response_chunk(b"", True)  # the producer's last words
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
 @pytest.mark.parametrize("end", [end_client_gone, end_producer_error, end_invalid_event, end_body_cut, end_stall])
-def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_tokenizer, end, monkeypatch):
+def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_tokenizer, end, api, monkeypatch):
+    """Chat (vLLM's chat generator, the lean path's part of it) and Messages (that generator and
+    vLLM's Anthropic converter, driven as two chains on the lean path)."""
     from derender.translate import stall
     from derender.endpoints.chat import ChatExchange
+    from derender.endpoints.messages import LeanMessagesStream, MessagesExchange
+    from derender.translate.lean import LeanChatStream
 
     monkeypatch.setattr(stall, "STALL_TIMEOUT", 0.1)
 
-    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    if api == "chat":
+        body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+        exchange_class, lean_class = ChatExchange, LeanChatStream
+    else:
+        body = {"model": "qwen3", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+        exchange_class, lean_class = MessagesExchange, LeanMessagesStream
     ids = qwen3_tokenizer.encode("<think>\nhm\n</think>\n\nSure, one moment", add_special_tokens=False).ids
     errors: list[dict] = []
 
     async def main() -> bytes:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
         producer = Producer()
-        exchange = ChatExchange(hermes_model, producer, None)
+        exchange = exchange_class(hermes_model, producer, None)
         rewrite = await exchange.request_body(json.dumps(body).encode())
         rewrite.then()  # as the ext_proc server does once the request has gone on
         exchange.response_headers(200)
         sent = b"".join([await exchange.response_chunk(event([i]), False) for i in ids])
+        assert type(exchange.stream) is lean_class and exchange.stream.handled >= len(ids) - 2
         sent += await end(exchange)
         exchange.close(True)
         if end is not end_body_cut:  # the producer's body ended: nothing left to abort
@@ -107,7 +119,11 @@ def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_to
     assert not errors, [c.get("message") or repr(c.get("exception")) for c in errors]
     assert b"Sure" in sent  # the tokens before the end reached the client
     if end is not end_client_gone:
-        assert sent.endswith(b"data: [DONE]\n\n") and b'"error"' in sent
+        *_, error_event, last_event = sent.rstrip(b"\n").rsplit(b"\n\n", 2)
+        if api == "chat":  # an error chunk, then [DONE]
+            assert last_event == b"data: [DONE]" and error_event.startswith(b'data: {"error"'), sent[-400:]
+        else:  # Anthropic's error event
+            assert last_event.startswith(b'event: error\ndata: {"type":"error"'), sent[-400:]
     if end is end_stall:
         assert b"the producer sent nothing for 0.1 s" in sent
 
@@ -117,17 +133,21 @@ def leftovers() -> list[str]:
     return [g.ag_code.co_qualname for g in gc.get_objects() if isinstance(g, types.AsyncGeneratorType) and g.ag_running]
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
 @pytest.mark.parametrize("answer", ["client gone", "producer error", "answered, then cut"])
-def test_a_stream_built_ahead_and_never_used_is_shut(hermes_model, answer):
+def test_a_stream_built_ahead_and_never_used_is_shut(hermes_model, answer, api):
     """The stream state built while the producer is reached, when no stream follows."""
     from derender.endpoints.chat import ChatExchange
+    from derender.endpoints.messages import MessagesExchange
 
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    if api == "messages":
+        body["max_tokens"] = 100
     errors: list[dict] = []
 
     async def main() -> bytes:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
-        exchange = ChatExchange(hermes_model, Producer(), None)
+        exchange = (ChatExchange if api == "chat" else MessagesExchange)(hermes_model, Producer(), None)
         rewrite = await exchange.request_body(json.dumps(body).encode())
         rewrite.then()
         assert exchange._ready is not None and exchange.stream is None

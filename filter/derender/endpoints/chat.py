@@ -34,6 +34,7 @@ class ChatExchange(ProducerExchange):
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
     stream_class = ChatStream
+    lean_class: type[lean.LeanChatStream] | None = lean.LeanChatStream  # None: vLLM's path for every event
     full_response = staticmethod(chat_completion)  # the final output -> the one JSON answer
     endpoint = "chat"
     operation = "chat"
@@ -126,8 +127,10 @@ class ChatExchange(ProducerExchange):
     def new_stream(self) -> ChatStream:
         """This request's stream state: chat's lean path where it serves the request (``lean``)."""
         assert self.rendered is not None
-        if self.stream_class is ChatStream and lean.eligible(self.model, self.rendered):
-            return lean.LeanChatStream(self.model, self.rendered)
+        lean_class = self.lean_class
+        if lean_class is not None and lean.eligible(self.model, self.rendered,
+                                                    continuous_usage=lean_class.continuous_usage):
+            return lean_class(self.model, self.rendered)
         return self.stream_class(self.model, self.rendered)
 
     # -- response --------------------------------------------------------------

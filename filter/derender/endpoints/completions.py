@@ -138,6 +138,7 @@ class CompletionExchange(ChatExchange):
 
     render = staticmethod(render_completion)
     stream_class = CompletionStream
+    lean_class = None
     full_response = staticmethod(completion_response)
     endpoint = "completion"
     operation = "text_completion"

@@ -27,16 +27,22 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections import deque
 from http import HTTPStatus
 from typing import Any
 
+import pydantic_core
+
 from .chat import ChatExchange
-from ..translate.stream import ChatStream, chat_response
+from ..translate.lean import MARK, LeanChatStream
+from ..translate.stream import WAIT, ChatStream, chat_response, shut
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat_request
 from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
+
+log = logging.getLogger("derender.messages")
 
 
 class _QuietStreamErrors(logging.Filter):
@@ -112,6 +118,174 @@ class MessagesStream(ChatStream):
             return self._take_early() + _error_event(status, message)
 
 
+class LeanMessagesStream(LeanChatStream, MessagesStream):
+    """A Messages stream on the lean path (``--stream-path lean``): the lean chat path's middle
+    events, then vLLM's Anthropic converter only where it would do more than write one delta.
+
+    vLLM chains its converter (``message_stream_converter``) onto the chat chunk generator; here
+    the two run as two chains driven in turn: the chat generator's chunks go to the converter in
+    the order it yields them, and so does the chunk of every middle event the lean chat path did
+    itself. Most of those carry reasoning in an open ``thinking`` block or text in an open ``text``
+    block, for which the converter writes one ``content_block_delta`` and changes none of its
+    state: that event is written from a template of the converter's own serialization, with the
+    text serialized as pydantic does, and the converter is not stepped. Whatever else the parser
+    says (a block opening or closing, a tool call, several kinds at once) goes to the converter.
+    ``tests/test_lean.py`` runs this and vLLM's chain over generated streams: identical bytes."""
+
+    continuous_usage = True  # vLLM asks for it on every Messages stream; its converter reads none per token
+
+    def __init__(self, model: Model, rendered: Rendered) -> None:
+        self._chunks: deque[Any] = deque()  # chat chunks for the converter, in order
+        self._raw_over = False
+        self._raw_error: BaseException | None = None
+        self._conv: Any = None
+        self._conv_step: Any = None  # the converter's suspended step while it waits for a chunk
+        self._block: Any = None  # the converter's open-block state (its ``_ActiveBlockState``)
+        self._templates: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+        self.templated = 0  # middle deltas written from a template, the converter not stepped
+        self.converted = 0  # middle deltas the converter took
+        super().__init__(model, rendered)
+
+    def _generator(self, model: Model, rendered: Rendered):
+        serving = self._serving_chat = serving_messages(model)
+        self._raw = serving.chat_completion_stream_generator_raw(*self._generator_args(model, rendered),
+                                                                 chat_template_kwargs=rendered.chat_template_kwargs)
+        self._conv = serving.message_stream_converter(self._source())
+        return self._raw
+
+    async def _source(self):
+        """The converter's input: the chat chunks, then the chat generator's end or its exception."""
+        while True:
+            while self._chunks:
+                yield self._chunks.popleft()
+            if self._raw_error is not None:
+                raise self._raw_error
+            if self._raw_over:
+                return
+            await WAIT
+
+    def _take_frame(self) -> Any:
+        frame = super()._take_frame()
+        if frame is not False:
+            try:
+                self._block = self._conv.ag_frame.f_locals["state"]
+                self._block.block_type, self._block.block_index  # noqa: B018 - the fields read
+            except (AttributeError, KeyError, TypeError):
+                log.warning("vLLM's message stream converter is not as expected: its path for this stream",
+                            exc_info=True)
+                return False
+        return frame
+
+    def _delta_bytes(self, delta: Any) -> bytes:
+        block = self._block
+        if not self._chunks and self._conv_step is not None and not delta.tool_calls:
+            reasoning, content = delta.reasoning, delta.content
+            if not reasoning and not content:
+                return b""  # the converter writes nothing for it
+            if reasoning and not content and block.block_type == "thinking":
+                return self._template("thinking", block.block_index, reasoning)
+            if content and not reasoning and block.block_type == "text":
+                return self._template("text", block.block_index, content)
+        self.converted += 1
+        self._chunks.append(self._frame.chunk(delta))
+        return self._convert()
+
+    def _template(self, kind: str, index: int, text: str) -> bytes:
+        """The converter's ``content_block_delta`` event of ``kind`` in block ``index``."""
+        halves = self._templates.get((kind, index))
+        if halves is None:
+            halves = self._templates[(kind, index)] = _delta_event_halves(kind, index)
+        self.templated += 1
+        return halves[0] + pydantic_core.to_json(text) + halves[1]
+
+    def _pump(self) -> bytes:
+        lean = b"".join(self._lean)
+        self._lean.clear()
+        if not (lean and self._step is not None and not self._queue and self._failure is None and not self._ended
+                and not self._early):
+            self._run_raw()
+        return self._take_early() + lean + self._convert()
+
+    def _run_raw(self) -> None:
+        """The chat generator until it waits for the next output or ends; its chunks queued."""
+        while not self._raw_over and self._raw_error is None:
+            if self._step is None:
+                self._step = self._agen.__anext__()
+            try:
+                awaited = self._step.send(None)
+            except StopIteration as got:
+                self._step = None
+                self._chunks.append(got.value)
+                continue
+            except StopAsyncIteration:
+                self._step = None
+                self._raw_over = True
+                break
+            except Exception as exc:  # vLLM's chain raises it into the converter
+                self._step = None
+                self._raw_error = exc
+                break
+            if awaited is not WAIT:
+                shut(self._step)
+                self._step = None
+                raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
+            break
+
+    def _convert(self) -> bytes:
+        """The converter over the queued chunks, until it waits for more or ends."""
+        frames: list[str] = []
+        if self.finished or (self._conv_step is not None and not self._chunks and not self._raw_over
+                             and self._raw_error is None):
+            return b""  # waiting, with nothing to take
+        while True:
+            if self._conv_step is None:
+                self._conv_step = self._conv.__anext__()
+            try:
+                awaited = self._conv_step.send(None)
+            except StopIteration as got:
+                self._conv_step = None
+                frames.append(got.value)
+                continue
+            except StopAsyncIteration:
+                self._conv_step = None
+                self.finished = True
+                self.whole = self._ended and self._failure is None
+                break
+            if awaited is not WAIT:
+                shut(self._conv_step)
+                self._conv_step = None
+                raise RuntimeError(f"vLLM's message stream converter awaited {awaited!r}")
+            break
+        return "".join(frames).encode()
+
+    def _close(self) -> None:
+        super()._close()
+        if self._conv_step is not None:
+            shut(self._conv_step)
+            self._conv_step = None
+        closer = self._conv.aclose()
+        try:
+            closer.send(None)
+        except StopIteration:
+            pass
+        except RuntimeError:
+            closer.close()
+
+
+@functools.cache
+def _delta_event_halves(kind: str, index: int) -> tuple[bytes, bytes]:
+    """vLLM's converter's ``content_block_delta`` event of ``kind`` ("thinking" or "text") in block
+    ``index``, as serialized by its models, cut around the text's JSON string."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicDelta, AnthropicStreamEvent
+    from vllm.entrypoints.anthropic.serving import wrap_data_with_event
+
+    delta = AnthropicDelta(type=f"{kind}_delta", **{kind: MARK})
+    event = AnthropicStreamEvent(index=index, type="content_block_delta", delta=delta)
+    data = wrap_data_with_event(event.model_dump_json(exclude_unset=True), "content_block_delta").encode()
+    head, tail = data.split(pydantic_core.to_json(MARK))  # ValueError unless it is there exactly once
+    return head, tail
+
+
 def _error_event(status: int, message: str) -> bytes:
     return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
 
@@ -128,6 +302,7 @@ class MessagesExchange(ChatExchange):
 
     render = staticmethod(render_messages)
     stream_class = MessagesStream
+    lean_class = LeanMessagesStream
     full_response = staticmethod(message_response)
     endpoint = "messages"
     operation = "messages"

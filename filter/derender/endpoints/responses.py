@@ -230,6 +230,7 @@ class ResponsesExchange(ChatExchange):
 
     render = staticmethod(render_responses)
     stream_class = ResponsesStream
+    lean_class = None
     full_response = staticmethod(response_object)
     endpoint = "responses"
     operation = "responses"

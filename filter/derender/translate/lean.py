@@ -38,7 +38,7 @@ log = logging.getLogger("derender.lean")
 
 PATHS = ("lean", "vllm")
 ENABLED = True  # derender serve --stream-path lean (the default) | vllm
-_MARK = "\x00derender-delta\x00"
+MARK = "\x00derender-delta\x00"
 
 
 def memoize_parser_tables() -> None:
@@ -71,8 +71,10 @@ def memoize_parser_tables() -> None:
     engine._build_drop_info = drop_info
 
 
-def eligible(model: Model, rendered: Rendered) -> bool:
-    """The request asks for nothing per token that the lean path leaves to vLLM's generator."""
+def eligible(model: Model, rendered: Rendered, *, continuous_usage: bool = False) -> bool:
+    """The request asks for nothing per token that the lean path leaves to vLLM's generator;
+    ``continuous_usage``: a stream whose middle chunks' usage nobody reads (Messages: vLLM's
+    converter reads the usage of the first and the last chunk only) may ask for it."""
     if not ENABLED:
         return False
     from vllm.entrypoints.serve.utils.api_utils import should_include_usage
@@ -86,48 +88,50 @@ def eligible(model: Model, rendered: Rendered) -> bool:
     if serving.enable_log_outputs and serving.request_logger is not None:
         return False
     _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
-    return not continuous
+    return continuous_usage or not continuous
 
 
 class _Frame:
     """What the lean path takes from vLLM's running generator, and the chunk's two halves."""
 
-    __slots__ = ("processors", "generated", "reasoning_details", "head", "tail")
+    __slots__ = ("processors", "generated", "reasoning_details", "fields", "head", "tail")
 
     def __init__(self, raw: Any, serving: Any) -> None:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
 
         local = raw.ag_frame.f_locals  # KeyError / AttributeError: not the generator expected
         self.processors = local["processors"]
         self.generated = local["generated_token_ids"]
         self.reasoning_details = bool(serving._include_reasoning_tokens_details)
+        self.fields = {"id": local["request_id"], "object": local["chunk_object_type"],
+                       "created": local["created_time"], "model": local["model_name"]}
         # The chunk of the generator's middle branch, with a marker for the delta: vLLM's models
         # serialize everything around the delta once, here, exactly as they would every time.
-        chunk = ChatCompletionStreamResponse(
-            id=local["request_id"],
-            object=local["chunk_object_type"],
-            created=local["created_time"],
-            choices=[
-                ChatCompletionResponseStreamChoice(
-                    index=0, delta=DeltaMessage(content=_MARK), logprobs=None, finish_reason=None, token_ids=None
-                )
-            ],
-            model=local["model_name"],
-            kv_transfer_params=None,  # the generator sets it (None) on every token chunk
-        )
+        chunk = self.chunk(DeltaMessage(content=MARK))
         text = chunk.model_dump_json(exclude_unset=True, exclude_none=not chunk.choices)
-        marker = DeltaMessage(content=_MARK).model_dump_json(exclude_unset=True)
+        marker = DeltaMessage(content=MARK).model_dump_json(exclude_unset=True)
         head, tail = text.split(marker)  # ValueError unless the marker is there exactly once
         self.head = b"data: " + head.encode()
         self.tail = tail.encode() + b"\n\n"
 
+    def chunk(self, delta: Any) -> Any:
+        """The ``ChatCompletionStreamResponse`` the generator's middle branch makes of ``delta``
+        (no per-token extras: ``eligible``; continuous usage, if asked, is left unset)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None, finish_reason=None,
+                                                    token_ids=None)
+        # kv_transfer_params: the generator sets it (None) on every token chunk
+        return ChatCompletionStreamResponse(choices=[choice], kv_transfer_params=None, **self.fields)
+
 
 class LeanChatStream(ChatStream):
     """A ``ChatStream`` whose middle events skip vLLM's generator (see the module's text)."""
+
+    continuous_usage = False  # ``eligible``'s: the middle chunks' usage is read
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self._raw: Any = None
@@ -231,9 +235,17 @@ class LeanChatStream(ChatStream):
             self._failure = exc
             return b""
         if processor.parser is not None and frame.reasoning_details:
+            # With continuous usage vLLM also recounts the reasoning tokens of all of them here;
+            # only the last chunk's count is read, and the finishing event (vLLM's) counts anew.
             frame.generated[0].extend(ids)
         if delta is None:
             return b""
+        return self._delta_bytes(delta)
+
+    def _delta_bytes(self, delta: Any) -> bytes:
+        """The client bytes of the middle chunk carrying ``delta``."""
+        frame = self._frame
+        assert isinstance(frame, _Frame)
         return frame.head + delta.__pydantic_serializer__.to_json(delta, exclude_unset=True) + frame.tail
 
     def _take_frame(self) -> _Frame | bool:

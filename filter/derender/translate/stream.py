@@ -30,7 +30,7 @@ class _WaitForEvent:
         yield self
 
 
-_WAIT = _WaitForEvent()
+WAIT = _WaitForEvent()
 
 
 def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceOutputs:
@@ -116,7 +116,7 @@ class ChatStream:
                 raise self._failure
             if self._ended:
                 return
-            await _WAIT
+            await WAIT
 
     def feed(self, payload: bytes) -> tuple[bytes, bool]:
         """One SSE ``data:`` payload from the producer -> (client bytes, abort producer?)."""
@@ -184,7 +184,7 @@ class ChatStream:
             # in the chain without ending their generators, which stay marked running, and
             # asyncio's finalizer then logs "aclose(): asynchronous generator is already
             # running" for each at garbage collection. An exception unwinds every frame.
-            _shut(self._step)
+            shut(self._step)
             self._step = None
         closer = self._agen.aclose()
         try:
@@ -211,8 +211,8 @@ class ChatStream:
                 self.finished = True
                 self.whole = self._ended and self._failure is None
                 break
-            if awaited is not _WAIT:
-                _shut(self._step)
+            if awaited is not WAIT:
+                shut(self._step)
                 self._step = None
                 raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
             break
@@ -223,7 +223,7 @@ class _Shut(BaseException):
     """Thrown into a suspended generator chain to end it (vLLM's code catches ``Exception``)."""
 
 
-def _shut(awaitable: Any) -> None:
+def shut(awaitable: Any) -> None:
     """End a suspended step of an async generator chain, running its ``finally`` blocks."""
     try:
         awaitable.throw(_Shut)
