@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/paced_ab.py --before /path/to/old/checkout            # before vs this tree
     .venv/bin/python bench/paced_ab.py --before ../old --rounds 5 --out bench/PACED_AB.md
+    .venv/bin/python bench/paced_ab.py --before ../old --api messages   # through /v1/messages
 
 One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
 (``bench/procs.py``'s config) and one filter worker (qwen3 + hermes, ``--workers 1``), started
@@ -62,8 +63,9 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1"]
         server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env)
-        body = json.dumps(streams.chat_request("qwen3", True)).encode()
-        url = envoy.url + "/v1/chat/completions"
+        chat = streams.chat_request("qwen3", True)
+        body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+        url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         threads0, stats0, envoy0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu()
         results, _ = asyncio.run(load.streams(url, body, args.streams * args.batches, args.streams, ramp=1.0))
@@ -89,6 +91,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=4, help="batches of --streams measured per round (default 4)")
     parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
+                        help="the endpoint the streams are asked through (default chat)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -107,8 +111,8 @@ def main() -> int:
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/paced_ab.py "
         f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
-        f"--rounds {args.rounds} --batches {args.batches}`: "
-        f"{args.streams} concurrent qwen3 + hermes streams of {args.tokens} tokens, one token per event every "
+        f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}`: "
+        f"{args.streams} concurrent qwen3 + hermes {args.api} streams of {args.tokens} tokens, one token per event every "
         f"{args.delay * 1e3:.0f} ms, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
         f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",
         "",
