@@ -35,7 +35,7 @@ import pydantic_core
 
 from .chat import ChatExchange
 from ..translate.lean import MARK, LeanChatStream
-from ..translate.stream import WAIT, ChatStream, chat_response, shut
+from ..translate.stream import WAIT, ChatStream, UnexpectedAwait, chat_response, close_chain, run_until_wait
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat_request
@@ -208,68 +208,35 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
 
     def _run_raw(self) -> None:
         """The chat generator until it waits for the next output or ends; its chunks queued."""
-        while not self._raw_over and self._raw_error is None:
-            if self._step is None:
-                self._step = self._agen.__anext__()
-            try:
-                awaited = self._step.send(None)
-            except StopIteration as got:
-                self._step = None
-                self._chunks.append(got.value)
-                continue
-            except StopAsyncIteration:
-                self._step = None
-                self._raw_over = True
-                break
-            except Exception as exc:  # vLLM's chain raises it into the converter
-                self._step = None
-                self._raw_error = exc
-                break
-            if awaited is not WAIT:
-                shut(self._step)
-                self._step = None
-                raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
-            break
+        if self._raw_over or self._raw_error is not None:
+            return
+        step, self._step = self._step, None
+        try:
+            self._step = run_until_wait(self._agen, step, self._chunks)
+        except UnexpectedAwait:
+            raise
+        except Exception as exc:  # vLLM's chain raises it into the converter
+            self._raw_error = exc
+            return
+        self._raw_over = self._step is None
 
     def _convert(self) -> bytes:
         """The converter over the queued chunks, until it waits for more or ends."""
-        frames: list[str] = []
         if self.finished or (self._conv_step is not None and not self._chunks and not self._raw_over
                              and self._raw_error is None):
             return b""  # waiting, with nothing to take
-        while True:
-            if self._conv_step is None:
-                self._conv_step = self._conv.__anext__()
-            try:
-                awaited = self._conv_step.send(None)
-            except StopIteration as got:
-                self._conv_step = None
-                frames.append(got.value)
-                continue
-            except StopAsyncIteration:
-                self._conv_step = None
-                self.finished = True
-                self.whole = self._ended and self._failure is None
-                break
-            if awaited is not WAIT:
-                shut(self._conv_step)
-                self._conv_step = None
-                raise RuntimeError(f"vLLM's message stream converter awaited {awaited!r}")
-            break
+        frames: list[str] = []
+        step, self._conv_step = self._conv_step, None
+        self._conv_step = run_until_wait(self._conv, step, frames)
+        if self._conv_step is None:
+            self.finished = True
+            self.whole = self._ended and self._failure is None
         return "".join(frames).encode()
 
     def _close(self) -> None:
         super()._close()
-        if self._conv_step is not None:
-            shut(self._conv_step)
-            self._conv_step = None
-        closer = self._conv.aclose()
-        try:
-            closer.send(None)
-        except StopIteration:
-            pass
-        except RuntimeError:
-            closer.close()
+        step, self._conv_step = self._conv_step, None
+        close_chain(step, self._conv)
 
 
 @functools.cache

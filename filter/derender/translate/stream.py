@@ -179,44 +179,60 @@ class ChatStream:
 
     def _close(self) -> None:
         self.finished = True
-        if self._step is not None:
-            # Not close() nor GeneratorExit: either closes the suspended ``asend`` objects
-            # in the chain without ending their generators, which stay marked running, and
-            # asyncio's finalizer then logs "aclose(): asynchronous generator is already
-            # running" for each at garbage collection. An exception unwinds every frame.
-            shut(self._step)
-            self._step = None
-        closer = self._agen.aclose()
-        try:
-            closer.send(None)
-        except StopIteration:
-            pass
-        except RuntimeError:
-            closer.close()
+        step, self._step = self._step, None
+        close_chain(step, self._agen)
 
     def _pump(self) -> bytes:
         """Run the generator until it waits for the next event or ends."""
         frames: list[str] = []
-        while True:
-            if self._step is None:
-                self._step = self._agen.__anext__()
-            try:
-                awaited = self._step.send(None)
-            except StopIteration as got:
-                self._step = None
-                frames.append(got.value)
-                continue
-            except StopAsyncIteration:
-                self._step = None
-                self.finished = True
-                self.whole = self._ended and self._failure is None
-                break
-            if awaited is not WAIT:
-                shut(self._step)
-                self._step = None
-                raise RuntimeError(f"vLLM's stream generator awaited {awaited!r}")
-            break
+        step, self._step = self._step, None
+        self._step = run_until_wait(self._agen, step, frames)
+        if self._step is None:
+            self.finished = True
+            self.whole = self._ended and self._failure is None
         return self._take_early() + "".join(frames).encode()
+
+
+class UnexpectedAwait(RuntimeError):
+    """A generator driven by hand awaited something other than the next event."""
+
+
+def run_until_wait(agen: Any, step: Any, out: Any) -> Any:
+    """Run the async generator ``agen`` -- its suspended ``step``, or a new step -- until it waits
+    for the next event: its suspended step, or None once it has ended. What it yields is appended
+    to ``out`` as it comes; what it raises is raised (its step is then over)."""
+    while True:
+        if step is None:
+            step = agen.__anext__()
+        try:
+            awaited = step.send(None)
+        except StopIteration as got:
+            step = None
+            out.append(got.value)
+            continue
+        except StopAsyncIteration:
+            return None
+        if awaited is not WAIT:
+            shut(step)
+            raise UnexpectedAwait(f"vLLM's stream generator awaited {awaited!r}")
+        return step
+
+
+def close_chain(step: Any, agen: Any) -> None:
+    """End the async generator ``agen`` driven by hand, and its suspended ``step`` if any."""
+    if step is not None:
+        # Not close() nor GeneratorExit: either closes the suspended ``asend`` objects
+        # in the chain without ending their generators, which stay marked running, and
+        # asyncio's finalizer then logs "aclose(): asynchronous generator is already
+        # running" for each at garbage collection. An exception unwinds every frame.
+        shut(step)
+    closer = agen.aclose()
+    try:
+        closer.send(None)
+    except StopIteration:
+        pass
+    except RuntimeError:
+        closer.close()
 
 
 class _Shut(BaseException):
