@@ -225,13 +225,9 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
         if self.finished or (self._conv_step is not None and not self._chunks and not self._raw_over
                              and self._raw_error is None):
             return b""  # waiting, with nothing to take
-        frames: list[str] = []
         step, self._conv_step = self._conv_step, None
-        self._conv_step = run_until_wait(self._conv, step, frames)
-        if self._conv_step is None:
-            self.finished = True
-            self.whole = self._ended and self._failure is None
-        return "".join(frames).encode()
+        frames, self._conv_step = self._run_client_chain(self._conv, step)
+        return frames
 
     def _close(self) -> None:
         super()._close()

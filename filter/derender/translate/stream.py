@@ -184,13 +184,19 @@ class ChatStream:
 
     def _pump(self) -> bytes:
         """Run the generator until it waits for the next event or ends."""
-        frames: list[str] = []
         step, self._step = self._step, None
-        self._step = run_until_wait(self._agen, step, frames)
-        if self._step is None:
+        frames, self._step = self._run_client_chain(self._agen, step)
+        return self._take_early() + frames
+
+    def _run_client_chain(self, agen: Any, step: Any) -> tuple[bytes, Any]:
+        """Run ``agen``, the generator that writes the client's frames, from ``step`` until it waits
+        (its frames, its suspended step) or ends (its frames, None: the stream is finished)."""
+        frames: list[str] = []
+        step = run_until_wait(agen, step, frames)
+        if step is None:
             self.finished = True
             self.whole = self._ended and self._failure is None
-        return self._take_early() + "".join(frames).encode()
+        return "".join(frames).encode(), step
 
 
 class UnexpectedAwait(RuntimeError):
