@@ -204,7 +204,16 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
         seen = json.loads(http_get(url + "/sim/headers")[1])[-1]
         request = json.loads(http_get(url + "/sim/requests")[1])[-1]
         request.pop("request_id", None)
+        attempts[served] = {k.lower(): v for k, v in seen.items()}.get("x-envoy-attempt-count")
         return served, {k.lower(): v for k, v in seen.items() if k.lower() not in VARYING}, request
+
+    def why() -> dict:
+        """What Envoy saw, for a failure's message: the producer's attempt count, health, retries."""
+        _, stats = http_get(f"http://127.0.0.1:{stack.admin}/stats?filter=^cluster\\.producer\\."
+                            "(upstream_rq_retry|upstream_cx_connect_fail|health_check\\.failure|lb_healthy_panic)$")
+        return {"attempt": dict(attempts), "healthy": stack.healthy(), "stats": stats.decode().split()}
+
+    attempts: dict[int, str | None] = {}
 
     for api, (path, body) in API_REQUESTS.items():
         for stream in (False, True):
@@ -220,7 +229,7 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
                 where, *got = send(path, full, forged)
                 assert got == [headers, request], (api, stream, forged)
                 if stack.mode != "least-request":  # there Envoy picks anew each time, header or not
-                    assert where == served, (api, stream, forged)
+                    assert where == served, (api, stream, forged, why())
             # Only the filter's own: the cluster it chose, and the key in the hashing modes.
             assert {k for k in headers if k.startswith("x-derender-")} <= {"x-derender-prefix-key", "x-derender-cluster"}
             assert headers["x-derender-cluster"] == "producer"
