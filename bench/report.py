@@ -8,10 +8,12 @@ NAMES = {
     "envoy": "Envoy alone (no ext_proc)",
     "echo": "Envoy + echo ext_proc (floor)",
     "echo-fds": "Envoy + echo ext_proc, FDS",
+    "echo-grpcio": "Envoy + echo ext_proc on grpc.aio (--transport grpcio)",
     "plain": "Envoy + derender, Qwen3",
     "hermes": "Envoy + derender, qwen3 + hermes",
     "hermes-vllm": "Envoy + derender, qwen3 + hermes, --stream-path vllm",
     "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
+    "hermes-grpcio": "Envoy + derender, qwen3 + hermes, --transport grpcio",
     "vllm-coupled": "vLLM coupled API server, qwen3 + hermes (asked directly)",
     "hermes-messages": "Envoy + derender, qwen3 + hermes, /v1/messages",
     "hermes-responses": "Envoy + derender, qwen3 + hermes, /v1/responses",
@@ -248,7 +250,7 @@ def paced_ratios(runs: dict) -> list[str]:
 
     coupled, chat = total("vllm-coupled"), total("hermes")
     lines = []
-    for name in ("echo", "hermes", "hermes-vllm", "hermes-messages", "hermes-responses"):
+    for name in ("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-vllm", "hermes-messages", "hermes-responses"):
         mine = total(name)
         if mine is None:
             continue

@@ -125,8 +125,8 @@ class Bench:
         self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
         model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
         workers = ["--workers", str(self.args.workers)]
-        ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "plain", "hermes", "hermes-vllm",
-                                                   "hermes-fds",
+        ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "echo-grpcio", "plain", "hermes",
+                                                   "hermes-vllm", "hermes-fds", "hermes-grpcio",
                                                    "vllm", "vllm-render", "coupled")}
         self.sim_url = sim_url = f"http://127.0.0.1:{ports['sim']}"
         self.vllm_sim_url = f"http://127.0.0.1:{ports['sim-vllm']}"
@@ -155,6 +155,9 @@ class Bench:
             "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *workers]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
                                             "--full-duplex", *workers]),
+            # The transport before extproc.http2: grpc.aio, for the echo floor and the filter.
+            "echo-grpcio": p.Proc("echo-grpcio", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port",
+                                                  str(ports["echo-grpcio"]), "--transport", "grpcio", *workers]),
             "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers]),
             "hermes": p.Proc("filter-hermes", [*derender, "serve", *model, *HERMES_FLAGS, "--port", str(ports["hermes"]),
                                                "--producer", sim_url, *workers]),
@@ -162,6 +165,9 @@ class Bench:
             "hermes-vllm": p.Proc("filter-hermes-vllm", [*derender, "serve", *model, *HERMES_FLAGS, "--port",
                                                          str(ports["hermes-vllm"]), "--producer", sim_url, *workers,
                                                          "--stream-path", "vllm"]),
+            "hermes-grpcio": p.Proc("filter-hermes-grpcio", [*derender, "serve", *model, *HERMES_FLAGS, "--port",
+                                                             str(ports["hermes-grpcio"]), "--producer", sim_url, *workers,
+                                                             "--transport", "grpcio"]),
             "hermes-fds": p.Proc("filter-hermes-fds", [p.PYTHON, str(BENCH / "fds_extproc.py"), *model, *HERMES_FLAGS,
                                                        "--port", str(ports["hermes-fds"]), "--producer", sim_url, *workers]),
         }
@@ -176,7 +182,7 @@ class Bench:
         for name in ("vllm", "vllm-render", "coupled"):
             started[name].wait(lambda port=ports[name]: p.http_ok(f"http://127.0.0.1:{port}/health"), 600)
         self.vllm_thread = threading.Thread(target=self.vllm_derender, name="vllm-derender", daemon=True)
-        for name in ("echo", "echo-fds", "plain", "hermes", "hermes-vllm", "hermes-fds"):
+        for name in ("echo", "echo-fds", "echo-grpcio", "plain", "hermes", "hermes-vllm", "hermes-fds", "hermes-grpcio"):
             started[name].wait(lambda port=ports[name]: p.tcp_open(port), 600)
         envoys = {
             "envoy": p.start_envoy("envoy-alone", ports["sim"], None),
@@ -186,13 +192,15 @@ class Bench:
             "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"]),
             "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"]),
             "hermes-fds": p.start_envoy("envoy-hermes-fds", ports["sim"], ports["hermes-fds"], full_duplex=True),
+            "echo-grpcio": p.start_envoy("envoy-echo-grpcio", ports["sim"], ports["echo-grpcio"]),
+            "hermes-grpcio": p.start_envoy("envoy-hermes-grpcio", ports["sim"], ports["hermes-grpcio"]),
         }
         for envoy in envoys.values():
             self.procs.append(envoy.proc)
         for name, envoy in envoys.items():
             envoy.proc.wait(lambda e=envoy: p.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
             server = started.get(name)
-            self.configs[name] = Config(name, envoy, server, chat=name not in ("envoy", "echo", "echo-fds"), tools="hermes" in name)
+            self.configs[name] = Config(name, envoy, server, chat=name not in ("envoy", "echo", "echo-fds", "echo-grpcio"), tools="hermes" in name)
         self.coupled_url = f"http://127.0.0.1:{ports['coupled']}"
         self.coupled = Config("vllm-coupled", None, started["coupled"], chat=True, tools=True, url=self.coupled_url)
         log("all up")
@@ -562,9 +570,10 @@ def main() -> int:
             results["agent_lengths"] = bench.agent_lengths()
             return finish(args, results)
         if args.only == "paced":
-            log("phase: throughput (paced: echo, the filter on chat, Messages and Responses, vLLM coupled)")
-            results["throughput"] = bench.throughput(("echo", "hermes", "hermes-messages", "hermes-responses",
-                                                      "vllm-coupled"))
+            log("phase: throughput (paced: echo and the filter on chat on both transports, Messages and Responses, "
+                "vLLM coupled)")
+            results["throughput"] = bench.throughput(("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-messages",
+                                                      "hermes-responses", "vllm-coupled"))
             return finish(args, results)
         # vLLM's derender streams take minutes of one core. Latency, throughput and time to first
         # token need the machine to themselves: the streams run (on their own simulator and server)

@@ -173,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .extproc import server as extproc
 
     extproc.DRAIN_TIMEOUT = args.drain_timeout
+    extproc.TRANSPORT = args.transport
     if args.responses_store:
         from .endpoints import responses_store as store
 
@@ -322,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="chat streams: 'lean' (default) does the events between the first and the last itself, with "
         "vLLM's parsers, and sends vLLM's bytes (proven by tests/test_lean.py); 'vllm' runs vLLM's chat "
         "stream generator for every event (default: $DERENDER_STREAM_PATH, else lean)",
+    )
+    serve.add_argument(
+        "--transport",
+        choices=("http2", "grpcio"),
+        default=os.environ.get("DERENDER_TRANSPORT") or "http2",
+        help="the ext_proc server: 'http2' (default) speaks gRPC's HTTP/2 on each worker's event loop thread; "
+        "'grpcio' runs grpc.aio, which hands every message between three threads (default: $DERENDER_TRANSPORT, "
+        "else http2)",
     )
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(

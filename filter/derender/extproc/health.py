@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio
 
+from . import http2
+
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -28,6 +30,29 @@ async def add_health(server: grpc.aio.Server) -> aio.HealthServicer:
         await servicer.set(service, SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     return servicer
+
+
+class Http2Health:
+    """``grpc.health.v1.Health/Check``: SERVING until ``enter_graceful_shutdown``, as grpc's servicer."""
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self.services = set(services)
+        self.serving = True
+
+    async def enter_graceful_shutdown(self) -> None:
+        self.serving = False
+
+    async def check(self, read, write) -> None:
+        request = await read()
+        if request is http2.EOF:
+            return
+        if request.service not in self.services:
+            raise http2.Status(http2.NOT_FOUND, "unknown service")
+        status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await write(health_pb2.HealthCheckResponse(status=status))
+
+    def methods(self) -> http2.Methods:
+        return {"/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest.FromString, self.check)}
 
 
 def check(address: str, service: str = "", timeout: float = 2.0) -> bool:

@@ -34,7 +34,8 @@ from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, producers
 from ..routing.producer import UPSTREAM_HEADER
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
-from .health import add_health
+from . import http2
+from .health import EXT_PROC_SERVICE, Http2Health, add_health
 
 log = logging.getLogger("derender.extproc")
 
@@ -113,7 +114,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         # generator of replies: two layers of async generators less per message. An echo server
         # spends 0.88x the CPU per message this way; the filter at 64 streams paced one token per
         # 20 ms, 430 against 462 us per token (medians of 8 interleaved rounds, each +-10 %).
-        await self.serve_stream(context.read, context.write)
+        await self.handle(context.read, context.write)
+
+    async def handle(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
+        """One ext_proc stream on either transport (``Process`` is grpc.aio's entry, ``http2`` calls this)."""
+        await self.serve_stream(read, write)
 
     async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply."""
@@ -249,9 +254,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 class ObservedProcessor(ExternalProcessor):
     """``ExternalProcessor`` seen from outside: per-message cost, active streams, route and status."""
 
-    async def Process(self, request_iterator, context) -> None:  # noqa: N802
+    async def handle(self, read, write) -> None:
         observer = metrics.StreamObserver()
-        read, write = context.read, context.write
 
         async def observed_read() -> object:
             message = await read()
@@ -284,22 +288,28 @@ async def serve(
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 256 << 20),
-            ("grpc.max_send_message_length", 256 << 20),
-            ("grpc.so_reuseport", 1 if reuse_port else 0),
-        ]
-    )
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
     processor = kind(router)
-    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
-    health = await add_health(server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-    await server.start()
+    if TRANSPORT == "http2":
+        health = Http2Health(("", EXT_PROC_SERVICE))
+        methods = {PROCESS: (pb.ProcessingRequest.FromString, processor.handle), **health.methods()}
+        server = http2.Server(methods, max_message=MAX_MESSAGE)
+        await server.start(host, port, reuse_port=reuse_port)
+    else:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
+            ]
+        )
+        pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+        health = await add_health(server)
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
     metrics.start_server()
     watch = loopwatch.start()
     log.info("ext_proc listening on %s, producer %s", address, producer_url)
@@ -313,6 +323,12 @@ async def serve(
         await server.stop(grace=2)
         await producer.close()
 
+
+# The ext_proc server's transport (``derender serve --transport``): "http2", the filter's own
+# HTTP/2 on the event loop's thread (``extproc.http2``), or "grpcio", grpc.aio.
+TRANSPORT = "http2"
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+MAX_MESSAGE = 256 << 20
 
 # Seconds the streams in flight get to finish after SIGTERM (``derender serve --drain-timeout``).
 DRAIN_TIMEOUT = 30.0

@@ -1,0 +1,159 @@
+"""The ext_proc server's transports: the filter's own HTTP/2 (``extproc.http2``, the default) and
+grpc.aio (``--transport grpcio``). Through Envoy both send the client the same bytes; spoken to by
+gRPC's own client, the HTTP/2 one keeps to gRPC's protocol where Envoy never goes: flow control on
+a reply larger than the peer's window, a request larger than the filter's window, statuses."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import grpc
+import httpx
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from stack import DERENDER, Proc, free_port, start_envoy, start_sim, tcp_open
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+@pytest.fixture(scope="module")
+def both(qwen3_dir):
+    """One simulator; a filter on each transport, each behind its own Envoy."""
+    sim, sim_url = start_sim(qwen3_dir)
+    procs = [sim]
+    out = {}
+    try:
+        for transport in ("http2", "grpcio"):
+            port = free_port()
+            flt = Proc(f"filter-{transport}", [*DERENDER, "serve", "--model", qwen3_dir, "--served-model-name", "qwen3",
+                                               "--max-model-len", "40960", "--port", str(port), "--producer", sim_url,
+                                               "--workers", "1", "--transport", transport]).start()
+            procs.append(flt)
+            flt.wait(lambda port=port: tcp_open(port), 300)
+            envoy, base = start_envoy(port, sim_url)
+            procs.append(envoy)
+            out[transport] = (port, base, flt)
+        yield out
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+VOLATILE = re.compile(rb'("(?:id|created|created_at|system_fingerprint)":\s*)("[^"]*"|\d+)|((?:chatcmpl|cmpl|msg|resp)_?-?[0-9a-zA-Z]{8,})')
+
+
+def _same(body: bytes) -> bytes:
+    return VOLATILE.sub(lambda m: (m.group(1) or b"") + b"X" if m.group(1) else b"X", body)
+
+
+REQUESTS = [
+    ("POST", "/v1/chat/completions", {"model": "qwen3", "messages": [{"role": "user", "content": "The same bytes, please."}],
+                                      "stream": True, "stream_options": {"include_usage": True}}),
+    ("POST", "/v1/chat/completions", {"model": "qwen3", "messages": [{"role": "user", "content": "Not streamed."}]}),
+    ("POST", "/v1/completions", {"model": "qwen3", "prompt": "Once upon", "max_tokens": 5, "stream": True}),
+    ("POST", "/v1/messages", {"model": "qwen3", "max_tokens": 20, "stream": True,
+                              "messages": [{"role": "user", "content": "Anthropic, streamed."}]}),
+    ("POST", "/v1/chat/completions", {"model": "qwen3", "messages": "not a list"}),  # 400, in OpenAI's shape
+    ("GET", "/v1/models", None),
+    ("POST", "/tokenize", {"model": "qwen3", "prompt": "count me"}),
+]
+
+
+@pytest.mark.parametrize("method, path, body", REQUESTS, ids=[f"{m} {p} {i}" for i, (m, p, _) in enumerate(REQUESTS)])
+def test_both_transports_send_the_client_the_same_bytes(both, method, path, body):
+    got = {}
+    for transport, (_, base, _) in both.items():
+        r = httpx.request(method, base + path, json=body, timeout=60)
+        got[transport] = (r.status_code, r.headers.get("content-type"), _same(r.content))
+    assert got["http2"] == got["grpcio"]
+    assert got["http2"][0] in (200, 400) and len(got["http2"][2]) > 20
+
+
+def _headers(method: str, path: str, end: bool) -> pb.ProcessingRequest:
+    headers = [(":method", method), (":path", path), (":authority", "test"), ("content-type", "application/json")]
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers]),
+        end_of_stream=end))
+
+
+def _process(port: int, messages: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20),
+                                                              ("grpc.max_send_message_length", 64 << 20)]) as channel:
+        call = channel.stream_stream(PROCESS, request_serializer=pb.ProcessingRequest.SerializeToString,
+                                     response_deserializer=pb.ProcessingResponse.FromString)
+        return list(call(iter(messages), timeout=120))
+
+
+def test_grpcs_own_client_gets_a_reply_larger_than_its_window(both):
+    """/tokenize of a ~30k-token prompt answered in one immediate response (~200 KB): more than gRPC's
+    client lets through before its first WINDOW_UPDATE, so the reply waits for the window and goes on."""
+    port = both["http2"][0]
+    prompt = "gateway " * 30000
+    body = json.dumps({"model": "qwen3", "prompt": prompt}).encode()
+    replies = _process(port, [_headers("POST", "/tokenize", False),
+                              pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))])
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "immediate_response"]
+    answer = json.loads(replies[1].immediate_response.body)
+    assert len(replies[1].immediate_response.body) > 128 << 10
+    assert answer["count"] == len(answer["tokens"]) >= 30000
+    # The same through Envoy on both transports (Envoy's window is larger: no waiting there).
+    for _, base, _ in both.values():
+        r = httpx.post(base + "/tokenize", content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens"] == answer["tokens"]
+
+
+def test_grpcs_own_client_sends_a_request_larger_than_the_filters_window(both):
+    """A 6 MB request body (JSON padded with whitespace) in one message: past the filter's 4 MiB stream
+    window, which it gives back as the bytes arrive."""
+    port = both["http2"][0]
+    body = b'{"model": "qwen3", "messages": [{"role": "user", "content": "padded"}]' + b" " * (6 << 20) + b"}"
+    replies = _process(port, [_headers("POST", "/v1/chat/completions", False),
+                              pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))])
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    rewrite = json.loads(replies[1].request_body.response.body_mutation.body)
+    assert rewrite["token_ids"] and rewrite["stream"] is False
+
+
+def test_health_and_unknown_methods_answer_as_grpc_does(both):
+    for transport, (port, _, _) in both.items():
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, transport
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, transport
+            unknown = channel.unary_unary("/no.such.Service/Method")
+            with pytest.raises(grpc.RpcError) as info:
+                unknown(b"", timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED, transport
+
+
+def test_a_stream_the_client_cancels_ends_cleanly(both):
+    """gRPC's client cancels a Process stream mid-request (as Envoy resets one whose client left): the
+    stream's handler is cancelled without an error in the log, and the server serves the next stream."""
+    port, _, flt = both["http2"]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.stream_stream(PROCESS, request_serializer=pb.ProcessingRequest.SerializeToString,
+                                     response_deserializer=pb.ProcessingResponse.FromString)
+        stop = threading.Event()
+
+        def requests():
+            yield _headers("POST", "/v1/chat/completions", False)
+            stop.wait(30)
+
+        responses = call(requests(), timeout=60)
+        first = next(responses)
+        assert first.WhichOneof("response") == "request_headers"
+        responses.cancel()
+        stop.set()
+    # The server is still whole: a new stream is served.
+    replies = _process(port, [_headers("GET", "/v1/models", True)])
+    assert replies[0].immediate_response.status.code == 200
+    log = flt.log.read_text(errors="replace")
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
