@@ -68,7 +68,10 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
     if len(urls) > 1:
-        cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+        # Two failed checks in a row, not one: a single slow /health answer (a busy producer, a pause)
+        # would otherwise move the replica's keys off it and cost their prefix-cache hits; a replica
+        # that is really down has its requests retried elsewhere (connect-failure) until the second.
+        cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
                                      "http_health_check": {"path": "/health"}}]
     ring = {"consistent_hashing_lb_config": {"hash_balance_factor": BALANCE_FACTOR}}
     if routing == "least-request":
