@@ -2,10 +2,11 @@
 
 Why not grpc.aio: at production pacing every token is one ext_proc message and one reply, and
 grpc.aio hands each of them between three threads (gRPC's I/O thread, its completion-queue poller,
-the event loop, woken through a socket pair). An echo ext_proc at 64 streams paced one token per
-20 ms cost 118 us of server CPU per token on grpc.aio and 41 us here (``bench/echo_extproc.py
---transport``), a fifth of it context switches. Here one ``asyncio.Protocol`` per connection parses
-the frames where they arrive and a stream's coroutine gets its messages through a future.
+the event loop, woken through a socket pair): a fifth of a worker's CPU went to context switches. An
+echo ext_proc at 64 streams paced one token per 20 ms cost 145 us of server CPU per token on grpc.aio
+and 44 us here (``bench/PACED.md``, ``bench/echo_extproc.py --transport``). Here one
+``asyncio.Protocol`` per connection parses the frames where they arrive and a stream's coroutine gets
+its messages through a future.
 
 What it speaks is what Envoy's gRPC client (and gRPC's health-check clients) send over cleartext
 HTTP/2 (h2c, prior knowledge): SETTINGS, PING, WINDOW_UPDATE both ways (flow control is kept on what

@@ -312,7 +312,7 @@ async def serve(
         await server.start()
     metrics.start_server()
     watch = loopwatch.start()
-    log.info("ext_proc listening on %s, producer %s", address, producer_url)
+    log.info("ext_proc listening on %s (transport %s), producer %s", address, TRANSPORT, producer_url)
     if ready is not None:
         ready.set()
     try:
