@@ -37,9 +37,12 @@ log = logging.getLogger("derender.http2")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0, 1, 3, 7, 8, 9
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, REFUSED_STREAM, COMPRESSION_ERROR = 0, 1, 3, 7, 9
 SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
 OK, CANCELLED, UNKNOWN, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 0, 1, 2, 5, 8, 12
+
+# A gRPC response's headers (a trailers-only response adds the status to them).
+RESPONSE_HEADERS = [(":status", "200"), ("content-type", "application/grpc")]
 
 # What the filter lets a peer send ahead of its reads: per stream and per connection.
 STREAM_WINDOW = 4 << 20
@@ -111,7 +114,6 @@ class Connection(asyncio.Protocol):
         self.max_frame = 16384
         self.unacked = 0
         self.paused: asyncio.Future | None = None
-        self.closing = False
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -208,11 +210,10 @@ class Connection(asyncio.Protocol):
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
                 self._reset(stream)
-        elif kind == GOAWAY:
-            self.closing = True  # the peer opens no more streams here; the open ones go on
         elif kind == PUSH_PROMISE:
             raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-        # PRIORITY and unknown frame types are ignored, as HTTP/2 asks.
+        # GOAWAY (the peer opens no more streams here; the open ones go on), PRIORITY and unknown
+        # frame types need nothing.
 
     @staticmethod
     def _unpad(flags: int, payload: bytes) -> bytes:
@@ -376,7 +377,7 @@ class Connection(asyncio.Protocol):
     # -- frames out ----------------------------------------------------------------------------
     def _response_headers(self, stream: Stream) -> bytes:
         stream.started = True
-        block = self.encoder.encode([(":status", "200"), ("content-type", "application/grpc")])
+        block = self.encoder.encode(RESPONSE_HEADERS)
         return frame(HEADERS, END_HEADERS, stream.id, block)
 
     def _send(self, stream: Stream, message: bytes) -> None:
@@ -416,8 +417,7 @@ class Connection(asyncio.Protocol):
                 self._flush(stream)
 
     def _trailers_only(self, stream_id: int, status: int, why: str) -> None:
-        block = self.encoder.encode([(":status", "200"), ("content-type", "application/grpc"),
-                                     ("grpc-status", str(status)), ("grpc-message", _percent(why))])
+        block = self.encoder.encode([*RESPONSE_HEADERS, ("grpc-status", str(status)), ("grpc-message", _percent(why))])
         self.transport.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
 
     def _finish(self, stream: Stream, status: int, why: str) -> None:
@@ -468,10 +468,6 @@ class Server:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: Connection(self), host.strip("[]") or None, port,
                                                 reuse_port=reuse_port, backlog=1024)
-
-    @property
-    def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
 
     def streams(self) -> int:
         return sum(len(c.streams) for c in self.connections)
