@@ -53,6 +53,7 @@ class Replicas:
             envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
                                    "--log-level", "warn", "--disable-hot-restart"]).start()
             self.procs.append(envoy)
+            self.envoy = envoy
             self.base = f"http://127.0.0.1:{listen}"
             envoy.wait(lambda: http_ok(self.base + "/health"), 60)
             # Every replica passed Envoy's first health check: none is picked before it is known up.
@@ -208,10 +209,21 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
         return served, {k.lower(): v for k, v in seen.items() if k.lower() not in VARYING}, request
 
     def why() -> dict:
-        """What Envoy saw, for a failure's message: the producer's attempt count, health, retries."""
+        """What Envoy saw, for a failure's message: per replica its active and total requests, connect
+        failures and health; the cluster's retries and health-check failures; its last access-log lines."""
+        _, clusters = http_get(f"http://127.0.0.1:{stack.admin}/clusters")
+        hosts: dict[str, list[str]] = {}
+        for line in clusters.decode().splitlines():
+            name, _, rest = line.partition("::")
+            if name == "producer" and re.match(r"127\.0\.0\.1:\d+::(rq_active|rq_total|cx_connect_fail|health_flags)::", rest):
+                address, stat, value = rest.split("::", 2)
+                hosts.setdefault(str(addresses.index(address)), []).append(f"{stat}={value}")
         _, stats = http_get(f"http://127.0.0.1:{stack.admin}/stats?filter=^cluster\\.producer\\."
-                            "(upstream_rq_retry|upstream_cx_connect_fail|health_check\\.failure|lb_healthy_panic)$")
-        return {"attempt": dict(attempts), "healthy": stack.healthy(), "stats": stats.decode().split()}
+                            "(upstream_rq_retry.*|upstream_cx_connect_fail|upstream_rq_pending_total|health_check\\.failure"
+                            "|lb_healthy_panic|lb_recalculate_zone_structures|membership_change|upstream_cx_destroy.*_with_active_rq)$")
+        log = stack.envoy.log.read_text(errors="replace").splitlines() if stack.envoy.log else []
+        return {"hosts": hosts, "stats": [s for s in stats.decode().split("\n") if s and not s.endswith(": 0")],
+                "access": [line[-160:] for line in log if '"POST ' in line][-4:], "attempt": dict(attempts)}
 
     attempts: dict[int, str | None] = {}
 
@@ -229,7 +241,7 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
                 where, *got = send(path, full, forged)
                 assert got == [headers, request], (api, stream, forged)
                 if stack.mode != "least-request":  # there Envoy picks anew each time, header or not
-                    assert where == served, (api, stream, forged, why())
+                    assert where == served, (why(), api, stream, where, served)
             # Only the filter's own: the cluster it chose, and the key in the hashing modes.
             assert {k for k in headers if k.startswith("x-derender-")} <= {"x-derender-prefix-key", "x-derender-cluster"}
             assert headers["x-derender-cluster"] == "producer"
