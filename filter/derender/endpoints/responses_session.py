@@ -1,5 +1,11 @@
 """One Responses request's session: vLLM's ``create_responses`` running as a task, fed the producer's
-outputs through an engine stand-in (see ``responses``)."""
+outputs through an engine stand-in (see ``responses``).
+
+A streaming request's event generator (what ``create_responses`` returns) is then driven by hand,
+as the chat stream drives vLLM's chat generator: each ``settle`` runs it until it waits for the
+next output (``WAIT``), with no task, event or wake-up per producer event. Should it await anything
+else (a store, a lock held elsewhere), a task finishes that step as asyncio would and ``settle``
+waits for it; then driving by hand goes on."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from ..translate.errors import HTTPError, from_exception
+from ..translate.stream import WAIT, close_chain
 from ..translate.model import _EngineStandIn
 
 log = logging.getLogger("derender.responses")
@@ -37,7 +44,13 @@ class Session:
         self._ended = False
         self._failure: BaseException | None = None
         self._wake = asyncio.Event()
-        self._waiting = asyncio.Event()  # vLLM's generator waits for the next output
+        self._waiting = asyncio.Event()  # vLLM's generator waits for the next output (non-streaming)
+        self.events: Any = None  # a streaming request's event generator, driven by hand (``settle``)
+        self._step: Any = None  # its step suspended at WAIT
+        self._over = False  # it has ended (or failed)
+        self._sequence = -1  # of the last event sent
+        self._pending: asyncio.Task | None = None  # a step that awaited something real, finished by a task
+        self._resuming: _Resume | None = None  # that step
 
     # -- the engine side -----------------------------------------------------------
     def generate(self, engine_input: Any, params: Any, kwargs: dict[str, Any]) -> Any:
@@ -55,6 +68,9 @@ class Session:
                 raise self._failure
             if self._ended:
                 return
+            if self.events is not None:  # driven by hand: suspend the driver (``settle``)
+                await WAIT
+                continue
             self._wake.clear()
             self._waiting.set()
             await self._wake.wait()
@@ -64,36 +80,97 @@ class Session:
         self.task = asyncio.ensure_future(self._run(serving))
 
     async def _run(self, serving: Any) -> None:
-        sequence = -1  # of the last event sent
         try:
             result = await serving.create_responses(self.request)
             if hasattr(result, "__aiter__"):
-                async for event in result:
-                    sequence = getattr(event, "sequence_number", sequence)
-                    self.frames.append(
-                        f"event: {getattr(event, 'type', 'unknown')}\ndata: "
-                        f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
-                    )
+                # Its first events, then the engine call (``generate``), then the wait for the
+                # first output; later events come out of ``settle``.
+                self.events = result
+                self._drive()
+                while self._pending is not None:
+                    await asyncio.wait({self._pending})
             else:
                 self.result = result
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
-            self.error = exc
-            if self.request.stream:
-                # vLLM 0.33.0 meets an engine failure mid-stream by validating a chat-shaped
-                # error as a Responses event, which fails: its own server then cuts the stream
-                # with no event at all. The client gets the Responses error event instead; so
-                # too for any other failure (the store unreachable when the answer is stored).
-                if self._failure is None:
-                    log.warning("Responses stream %s failed: %r", self.request.request_id, exc)
-                self.frames.append(_error_event(self._failure or exc, sequence + 1))
+            self._failed(exc)
         finally:
             _STAND_IN_SESSIONS.pop(self.request.request_id, None)
 
+    def _failed(self, exc: BaseException) -> None:
+        self.error = exc
+        if self.request.stream:
+            # vLLM 0.33.0 meets an engine failure mid-stream by validating a chat-shaped
+            # error as a Responses event, which fails: its own server then cuts the stream
+            # with no event at all. The client gets the Responses error event instead; so
+            # too for any other failure (the store unreachable when the answer is stored).
+            if self._failure is None:
+                log.warning("Responses stream %s failed: %r", self.request.request_id, exc)
+            self.frames.append(_error_event(self._failure or exc, self._sequence + 1))
+
+    def _event(self, event: Any) -> None:
+        self._sequence = getattr(event, "sequence_number", self._sequence)
+        self.frames.append(
+            f"event: {getattr(event, 'type', 'unknown')}\ndata: "
+            f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
+        )
+
+    def _drive(self) -> None:
+        """Run the event generator until it waits for the next output, ends, or awaits something
+        real (a task then finishes that step: ``_finish``)."""
+        step, self._step = self._step, None
+        while True:
+            if step is None:
+                step = self.events.__anext__()
+            try:
+                awaited = step.send(None)
+            except StopIteration as got:
+                step = None
+                self._event(got.value)
+                continue
+            except StopAsyncIteration:
+                self._over = True
+                return
+            except BaseException as exc:  # noqa: BLE001 - vLLM's generator failed: its error event
+                self._over = True
+                self._failed(exc)
+                return
+            if awaited is WAIT:
+                self._step = step
+                return
+            self._resuming = _Resume(step, awaited)
+            self._pending = asyncio.ensure_future(self._finish(self._resuming))
+            return
+
+    async def _finish(self, resume: _Resume) -> None:
+        """A step that awaited something other than the next output, finished as a task would."""
+        try:
+            value = await resume
+        except StopAsyncIteration:
+            self._over = True
+            return
+        except asyncio.CancelledError:
+            self._over = True
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            self._over = True
+            self._failed(exc)
+            return
+        finally:
+            self._pending = self._resuming = None
+        if value is _Resume.SUSPENDED:  # it went on to wait for the next output
+            self._step = resume.step
+            return
+        self._event(value)
+        self._drive()
+
     @property
     def done(self) -> bool:
-        return self.task is not None and self.task.done()
+        """vLLM's task has ended: its answer is in, or (streaming) its last event was written."""
+        if self.task is None or not self.task.done():
+            return False
+        return self.events is None or self._over
 
     def push(self, outputs: list[Any]) -> None:
         if outputs:
@@ -113,14 +190,24 @@ class Session:
         self._wake.set()
 
     async def settle(self) -> None:
-        """Until vLLM's task waits for the next output, or has ended."""
-        if self.task is None or self.task.done():
+        """Until vLLM's generator waits for the next output, or has ended."""
+        if self.task is None:
             return
-        waiting = asyncio.ensure_future(self._waiting.wait())
-        try:
-            await asyncio.wait({waiting, self.task}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
+        if not self.task.done():  # create_responses: a streaming request's returns the event generator
+            waiting = asyncio.ensure_future(self._waiting.wait())
+            try:
+                await asyncio.wait({waiting, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
+            if not self.task.done():
+                return
+        while self.events is not None and not self._over:
+            if self._pending is not None:
+                await asyncio.wait({self._pending})
+                continue
+            self._drive()
+            if self._pending is None:
+                return
 
     async def until_called(self) -> None:
         """Until vLLM asks the engine for outputs, or answers without (an error)."""
@@ -138,7 +225,46 @@ class Session:
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
+        if self.events is not None and not self._over:
+            self._over = True
+            step, self._step = self._step, None
+            if self._pending is not None:  # it may not have started: the step is shut here, not by it
+                self._pending.cancel()
+                step, self._resuming.closed = self._resuming.step, True  # type: ignore[union-attr]
+                self._pending = self._resuming = None
+            close_chain(step, self.events)
         _STAND_IN_SESSIONS.pop(self.request.request_id, None)
+
+
+class _Resume:
+    """Awaiting this hands a suspended step of the event generator to the awaiting task: what the
+    step awaits the task awaits, what is thrown into the task goes into the step. It gives what the
+    step yields, or ``SUSPENDED`` once the step waits for the next output (``WAIT``)."""
+
+    SUSPENDED = object()
+
+    def __init__(self, step: Any, awaited: Any) -> None:
+        self.step, self.awaited = step, awaited
+        self.closed = False  # the session shut the step (cancelled): never touch it again
+
+    def __await__(self):
+        step, awaited = self.step, self.awaited
+        while True:
+            try:
+                try:
+                    sent = yield awaited
+                except BaseException as exc:  # noqa: BLE001 - the task cancelled: into the step
+                    if self.closed:
+                        raise
+                    awaited = step.throw(exc)
+                else:
+                    if self.closed:
+                        raise asyncio.CancelledError
+                    awaited = step.send(sent)
+            except StopIteration as got:
+                return got.value
+            if awaited is WAIT:
+                return self.SUSPENDED
 
 
 def _error_event(failure: BaseException, sequence: int) -> bytes:
