@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
     parser.add_argument("--seconds", type=int, default=20, help="how long py-spy samples (default 20)")
     parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean")
+    parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
+                        help="which API the streams are asked through (default chat)")
     parser.add_argument("--out", default=str(BENCH / "PROFILE_PACED.md"), help="the report ('-': stdout only)")
     args = parser.parse_args()
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -86,14 +88,15 @@ def main() -> int:
         raise SystemExit("py-spy is not installed: .venv/bin/pip install -e '.[bench]'")
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("profile-paced", args.tokens)
-    raw = procs.LOGS / f"profile-paced-{args.stream_path}.raw"
+    raw = procs.LOGS / f"profile-paced-{args.api}-{args.stream_path}.raw"
     started: list[procs.Proc] = []
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--stream-path", args.stream_path,
                  "--workers", "1"]
         server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay)
-        body = json.dumps(streams.chat_request("qwen3", True)).encode()
-        url = envoy.url + "/v1/chat/completions"
+        chat = streams.chat_request("qwen3", True)
+        body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+        url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         stop = threading.Event()
 
@@ -118,8 +121,9 @@ def main() -> int:
         "# A filter worker at production pacing (py-spy)",
         "",
         f"{datetime.date.today()}, `.venv/bin/python bench/profile_paced.py --streams {args.streams} --tokens "
-        f"{args.tokens} --delay {args.delay} --seconds {args.seconds} --stream-path {args.stream_path}`: "
-        f"{args.streams} concurrent qwen3 + hermes streams of {args.tokens} tokens, one token per event every "
+        f"{args.tokens} --delay {args.delay} --seconds {args.seconds} --stream-path {args.stream_path}"
+        f"{' --api ' + args.api if args.api != 'chat' else ''}`: "
+        f"{args.streams} concurrent qwen3 + hermes {args.api} streams of {args.tokens} tokens, one token per event every "
         f"{args.delay * 1e3:.0f} ms, one filter worker (`--stream-path {args.stream_path}`) behind Envoy 1.40, sampled "
         f"by py-spy at 200 Hz for {args.seconds} s on this 2-core machine. The worker used {cpu:.1f} s of CPU in "
         f"those {args.seconds} s ({cpu / args.seconds * 100:.0f} % of a core) for {msgs} ext_proc messages "

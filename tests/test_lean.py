@@ -398,3 +398,103 @@ def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):
             stack.stop()
     assert got["lean"] == got["vllm"]
     assert got["lean"].count(b"data: ") > 20 and b'"tool_calls"' in got["lean"] and b"[DONE]" in got["lean"]
+
+
+RESPONSE_IDS = re.compile(rb'"((?:item_|call_)?id)":"(resp|msg|rs|fc|ctc|call|chatcmpl-tool)[_-][0-9a-zA-Z-]{8,}"')
+CREATED_AT = re.compile(rb'"created_at":\d+(\.\d+)?')
+
+
+def responses_body(chat: dict, draw_include: bool) -> dict:
+    """The Responses request asking what ``chat`` asks (stop strings are not a Responses field)."""
+    body = {"model": chat["model"], "input": chat["messages"], "max_output_tokens": chat["max_tokens"], "stream": True}
+    if "tools" in chat:
+        body["tools"] = [{"type": "function", **t["function"]} for t in chat["tools"]]
+        choice = chat.get("tool_choice", "auto")
+        body["tool_choice"] = {"type": "function", "name": choice["function"]["name"]} if isinstance(choice, dict) else choice
+        body["parallel_tool_calls"] = chat.get("parallel_tool_calls", True)
+    if chat.get("include_reasoning") is False:
+        body["include_reasoning"] = False
+    if draw_include:
+        body["include"] = ["message.output_text.logprobs"]
+        body["top_logprobs"] = 2
+    return body
+
+
+def with_logprobs(payload: bytes) -> bytes:
+    if payload == b"[DONE]":
+        return payload
+    event = json.loads(payload)
+    for choice in event["choices"]:
+        choice["logprobs"] = {"content": [
+            {"token_id": t, "logprob": -0.25 * (i % 3), "rank": 1,
+             "top_logprobs": [{"token_id": t, "logprob": -0.25 * (i % 3), "rank": 1},
+                              {"token_id": t + 1, "logprob": -2.5, "rank": 2}, {"token_id": 13, "logprob": -3.0, "rank": 3}]}
+            for i, t in enumerate(choice["token_ids"])]}
+    return pydantic_core.to_json(event)
+
+
+def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tuple[bytes, int, int]:
+    """What the client gets from a Responses stream fed these events as the exchange feeds them
+    (each event's bytes, then the events vLLM's generator wrote for it); the outputs the lean path
+    took, and the delta events it wrote from a template."""
+    from derender.endpoints.responses import ResponsesStream, render_responses
+
+    async def go() -> tuple[bytes, int, int]:
+        rendered = await render_responses(model, json.dumps(body).encode(), "lean-diff")
+        stream = ResponsesStream(model, rendered)
+        stream.start()
+        out = []
+        for p in payloads:
+            out += [stream.feed(p)[0], await stream.flush()]
+        if not stream.finished:
+            out += [stream.end(), await stream.flush()]
+        loop = rendered.session._loop
+        return b"".join(out), rendered.session.lean_events, loop.templated if loop else 0
+
+    if lean_on:
+        return asyncio.run(go())
+    with vllm_path():
+        return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in ("qwen2-vl", "gpt-oss")])
+def test_lean_responses_path_sends_vllms_bytes(name):
+    """Responses on the lean path (``responses_session._LoopBody``: vLLM's loop body per middle output,
+    not its generator chain) against vLLM's generators for every output, over the drawn streams
+    (gpt-oss's Harmony path is another generator, not taken): identical bytes, logprobs asked or
+    not, and the lean path took most middle outputs itself, writing most of their delta events from
+    a template of vLLM's."""
+    model, _ = served(name)
+    done = []
+
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(streams(name), st.booleans())
+    def check(drawn, logprobs):
+        chat, payloads = drawn
+        if chat.get("chat_template_kwargs") or "stop" in chat:  # chat-only knobs
+            return
+        body = responses_body(chat, logprobs)
+        if logprobs:  # the producer's logprob rows: the sampled token and two candidates
+            payloads = [with_logprobs(p) for p in payloads]
+        vllm_bytes, untaken, _ = run_responses(model, body, payloads, lean_on=False)
+        lean_bytes, taken, templated = run_responses(model, body, payloads, lean_on=True)
+        clean = lambda data: CREATED_AT.sub(b'"created_at":0', RESPONSE_IDS.sub(rb'"\1":"\2-id"', data))
+        assert untaken == 0 and re.search(rb"event: (response\.completed|response\.incomplete|error)\n", vllm_bytes), body
+        assert clean(lean_bytes) == clean(vllm_bytes), body
+        done.append((taken, max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 1), templated))
+
+    check()
+    taken, middle, templated = (sum(d[i] for d in done) for i in range(3))
+    assert middle > 0 and taken >= middle // 2, (taken, middle)
+    assert templated > 0, (templated, taken)
+    # A plain answer (reasoning, text, a call; one token per event): most middle outputs are a delta
+    # inside an open item, written from the template (the rest: markup tokens, item changes).
+    _, answers = served(name)
+    chat = {"model": name, "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 2000}
+    calls = [("get_weather", PARIS)] if answers.tools else []
+    if calls:
+        chat["tools"] = TOOLS
+    ids = answers.answer("Let me think about the weather in Paris, a city in France.",
+                         "I will look it up for you right now, one moment.", calls, end=True, think=True)
+    _, taken, templated = run_responses(model, responses_body(chat, False), events(ids, [1], False, "stop"), lean_on=True)
+    assert templated >= taken // 2, (templated, taken)
