@@ -279,7 +279,7 @@ class _LoopBody:
     carry an output from the engine to the client are not resumed for it. The finishing output,
     the end, failures and what the body raises go through the generators. Harmony's path (gpt-oss)
     is another generator and is not taken here. ``tests/test_lean.py`` runs both paths over
-    generated streams and demands identical bytes."""
+    generated streams (every shipped configuration but gpt-oss) and demands identical bytes."""
 
     __slots__ = ("context", "request", "processor", "logprobs", "number", "names", "events", "counter", "template",
                  "templated")
