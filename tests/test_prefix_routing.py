@@ -74,6 +74,13 @@ class Replicas:
         [line] = [line for line in body.decode().splitlines() if line.startswith("cluster.producer.upstream_rq_active:")]
         return int(line.rsplit(":", 1)[1])
 
+    def filter_streams(self) -> float:
+        """Exchanges open in the filter (``derender_active_streams``): one closes after its
+        routing's in-flight count is released."""
+        text = http_get(f"http://127.0.0.1:{self.metrics}/metrics")[1].decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("derender_active_streams ") or line.startswith("derender_active_streams{"))
+
     def stats(self) -> list[dict]:
         return [json.loads(http_get(url + "/sim/stats")[1]) if proc.popen and proc.popen.poll() is None else None
                 for proc, url in self.sims]
@@ -192,10 +199,13 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
     addresses = ["127.0.0.1:" + url.rsplit(":", 1)[1] for _, url in stack.sims]
 
     def send(path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
-        # Envoy's bounded load counts a replica's active requests: the last request must be over in
-        # Envoy's own accounting (it can trail the client's last byte), or the consistent hash may
-        # spill this one to the next replica for a reason that has nothing to do with the headers.
-        wait_for(lambda: stack.active() == 0, "no request active at the producers in Envoy")
+        # The last request must be over where load is counted, or the replica may change for a
+        # reason that has nothing to do with the headers: in Envoy's accounting (its bounded load
+        # counts a replica's active requests) and in the filter's (precise routing counts its own
+        # requests in flight per replica, until the exchange closes); both can trail the client's
+        # last byte.
+        wait_for(lambda: stack.active() == 0 and stack.filter_streams() == 0,
+                 "no request active at the producers in Envoy, no exchange open in the filter")
         before = stack.received()
         status, out = http_post(stack.base + path, body, timeout=60, headers=headers)
         assert status == 200, out
@@ -223,6 +233,7 @@ def check_forged_routing_headers_change_nothing(stack: Replicas) -> None:
                             "|lb_healthy_panic|lb_recalculate_zone_structures|membership_change|upstream_cx_destroy.*_with_active_rq)$")
         log = stack.envoy.log.read_text(errors="replace").splitlines() if stack.envoy.log else []
         return {"hosts": hosts, "stats": [s for s in stats.decode().split("\n") if s and not s.endswith(": 0")],
+                "filter_streams": stack.filter_streams(),
                 "access": [line[-160:] for line in log if '"POST ' in line][-4:], "attempt": dict(attempts)}
 
     attempts: dict[int, str | None] = {}
