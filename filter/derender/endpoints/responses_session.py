@@ -10,15 +10,13 @@ waits for it; then driving by hand goes on."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
 from collections import deque
 from typing import Any
 
-import pydantic_core
-
+from .responses_lean import Frame, LoopBody
 from ..translate.errors import HTTPError, from_exception
 from ..translate import lean
 from ..translate.stream import WAIT, close_chain
@@ -56,7 +54,7 @@ class Session:
         self._sequence = -1  # of the last event sent
         self._pending: asyncio.Task | None = None  # a step that awaited something real, finished by a task
         self._resuming: _Resume | None = None  # that step
-        self._loop: _LoopBody | None = None  # the lean path: vLLM's per-output loop body, run here
+        self._loop: LoopBody | None = None  # the lean path: vLLM's per-output loop body, run here
         self._throw: BaseException | None = None  # raised by that body: into the suspended step
         self.lean_events = 0  # outputs the lean path took (tests read it)
 
@@ -67,7 +65,7 @@ class Session:
         self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
         self.called.set()
         if self.request.stream and lean.ENABLED:
-            self._loop = _LoopBody.of(sys._getframe(2))
+            self._loop = LoopBody.of(sys._getframe(2))
         return self._outputs()
 
     async def _outputs(self):
@@ -121,7 +119,7 @@ class Session:
 
     def _event(self, event: Any) -> None:
         self._sequence = getattr(event, "sequence_number", self._sequence)
-        if isinstance(event, _Frame):
+        if isinstance(event, Frame):
             self.frames.append(event.frame)
             return
         self.frames.append(
@@ -165,7 +163,7 @@ class Session:
             return
 
     def _lean(self) -> None:
-        """The queued outputs that do not finish the choice, through vLLM's loop body (``_LoopBody``)
+        """The queued outputs that do not finish the choice, through vLLM's loop body (``LoopBody``)
         here, not through its generator chain; what that body raises goes into the suspended step."""
         items, loop = self._items, self._loop
         while items and items[0].outputs and items[0].outputs[0].finish_reason is None:
@@ -267,147 +265,6 @@ class Session:
                 self._pending = self._resuming = None
             close_chain(step, self.events)
         _STAND_IN_SESSIONS.pop(self.request.request_id, None)
-
-
-class _LoopBody:
-    """The lean path of a Responses stream: the body of the loop of vLLM's
-    ``_process_simple_streaming_events`` (and the lines of ``_generate_with_builtin_tools`` that hand
-    it an output), run for an output that does not finish the choice with that generator's own
-    objects -- the context, its response parser, the streaming event processor, the request, its
-    logprob and sequence-number functions -- taken from its frame when it asks the engine to
-    generate. So vLLM's parsers and event builders do every step; the four async generators that
-    carry an output from the engine to the client are not resumed for it. The finishing output,
-    the end, failures and what the body raises go through the generators. Harmony's path (gpt-oss)
-    is another generator and is not taken here. ``tests/test_lean.py`` runs both paths over
-    generated streams (every shipped configuration but gpt-oss) and demands identical bytes."""
-
-    __slots__ = ("context", "request", "processor", "logprobs", "number", "names", "events", "counter", "template",
-                 "templated")
-
-    @classmethod
-    def of(cls, frame: Any) -> _LoopBody | None:
-        """From the frame of the caller of the engine's ``generate``, if it is the simple path's."""
-        outer = frame.f_back if frame is not None else None
-        if (frame is None or outer is None or frame.f_code.co_name != "_generate_with_builtin_tools"
-                or outer.f_code.co_name != "_process_simple_streaming_events"):
-            return None
-        try:
-            return cls(outer.f_locals)
-        except (KeyError, ImportError):  # not the generator this was written against
-            return None
-
-    def __init__(self, local: dict[str, Any]) -> None:
-        from vllm.entrypoints.openai.responses import serving as names
-
-        self.context, self.request, self.processor = local["context"], local["request"], local["processor"]
-        self.logprobs, self.number = local["_get_logprobs"], local["_increment_sequence_number_and_return"]
-        from vllm.entrypoints.openai.responses import streaming_events as events
-
-        self.names, self.events = names, events
-        for name in ("as_list", "split_delta", "maybe_filter_parallel_tool_calls", "_StateType", "DeltaMessage"):
-            getattr(names, name)
-        # The generator's sequence number: the closure cell its numbering function counts in.
-        self.counter = self.number.__closure__[self.number.__code__.co_freevars.index("sequence_number")]
-        self.template: tuple[Any, ...] | None = None  # (key, the delta event's bytes around the delta and the number)
-        self.templated = 0  # delta events written from the template (tests read it)
-
-    def step(self, res: Any, sink: Any) -> None:
-        """The events vLLM's loop yields for ``res`` (whose choice is not finished), numbered, into
-        ``sink`` one by one as the loop yields them (each before the next is built)."""
-        names, ctx, request, processor = self.names, self.context, self.request, self.processor
-        ctx.request_metrics = res.metrics
-        ctx.append_output(res)
-        if ctx.last_output is None or not ctx.last_output.outputs:
-            return
-        output = ctx.last_output.outputs[0]
-        if ctx.response_parser:
-            delta_message = ctx.response_parser.parse_delta(
-                delta_text=output.text,
-                delta_token_ids=names.as_list(output.token_ids),
-                request=request,
-                prompt_token_ids=ctx.last_output.prompt_token_ids,
-                finished=output.finish_reason is not None,
-            )
-        else:
-            delta_message = names.DeltaMessage(content=output.text)
-        if not delta_message:
-            return
-        delta_message = names.maybe_filter_parallel_tool_calls(delta_message, request)
-        number = self.number
-        for dm in names.split_delta(delta_message):
-            target_state, tool_call = processor.resolve_target_state(dm)
-            if target_state == names._StateType.NONE:
-                continue
-            if processor.needs_transition(target_state, tool_call):
-                for event in processor.close_current():
-                    sink(number(event))
-                for event in processor.open(target_state, tool_call):
-                    sink(number(event))
-            elif self._delta(dm, output, sink):
-                continue
-            for event in processor.emit_delta(dm, output, self.logprobs):
-                sink(number(event))
-
-    def _delta(self, dm: Any, output: Any, sink: Any) -> bool:
-        """``emit_delta``'s one event for a delta inside an open item, as bytes from a template of
-        that event (built by vLLM's own ``emit_simple_*_delta`` on a copy of the state, so its class
-        and fields are vLLM's), the state's text grown as ``emit_delta`` grows it; False (nothing
-        done) for what the template does not cover: logprobs, custom tools, empty arguments."""
-        events, state = self.events, self.processor.state
-        kind = state.current_state
-        if kind == events._StateType.REASONING:
-            delta, make = dm.reasoning, events.emit_simple_reasoning_delta
-        elif kind == events._StateType.CONTENT:
-            if self.logprobs(output):
-                return False
-            delta, make = dm.content, events.emit_simple_content_delta
-        elif kind == events._StateType.TOOL_CALL and not state.tool_call_is_custom:
-            delta = "".join(tc.function.arguments for tc in dm.tool_calls or ()
-                            if tc.function is not None and tc.function.arguments)
-            make = events.emit_simple_tool_call_delta
-        else:
-            return False
-        if not delta:
-            return False
-        key = (kind, state.current_item_id, state.output_index, state.content_index)
-        if self.template is None or self.template[0] != key:
-            self.template = (key, *_template(make, state))
-        _, head, middle, tail, delta_first = self.template
-        number = self.counter.cell_contents
-        self.counter.cell_contents = number + 1
-        state.accumulated_text += delta
-        text, count = pydantic_core.to_json(delta), str(number).encode()
-        sink(_Frame(head + text + middle + count + tail if delta_first else head + count + middle + text + tail, number))
-        self.templated += 1
-        return True
-
-
-MARK = "\x00derender-delta\x00"
-NUMBER = 987654321987
-
-
-def _template(make: Any, state: Any) -> tuple[bytes, bytes, bytes, bool]:
-    """A delta event's SSE frame, as ``Session._event`` writes it, cut around its delta and its
-    sequence number: (head, middle, tail, whether the delta comes first)."""
-    [event] = make(dataclasses.replace(state), MARK)
-    event.sequence_number = NUMBER
-    frame = f"event: {event.type}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
-    mark, number = pydantic_core.to_json(MARK), str(NUMBER).encode()
-    at_mark, at_number = frame.index(mark), frame.index(number)
-    if frame.count(mark) != 1 or frame.count(number) != 1:
-        raise ValueError("the delta event's template is ambiguous")
-    if at_mark < at_number:
-        return frame[:at_mark], frame[at_mark + len(mark):at_number], frame[at_number + len(number):], True
-    return frame[:at_number], frame[at_number + len(number):at_mark], frame[at_mark + len(mark):], False
-
-
-class _Frame:
-    """A delta event already written (``_LoopBody._delta``): its bytes and its sequence number."""
-
-    __slots__ = ("frame", "sequence_number")
-
-    def __init__(self, frame: bytes, sequence_number: int) -> None:
-        self.frame, self.sequence_number = frame, sequence_number
 
 
 class _Resume:
