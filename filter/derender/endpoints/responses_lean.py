@@ -127,12 +127,18 @@ MARK = "\x00derender-delta\x00"
 NUMBER = 987654321987
 
 
+def event_frame(event: Any) -> bytes:
+    """A Responses event as the client gets it: its SSE frame."""
+    return (f"event: {getattr(event, 'type', 'unknown')}\ndata: "
+            f"{event.model_dump_json(indent=None, by_alias=True)}\n\n").encode()
+
+
 def _template(make: Any, state: Any) -> tuple[bytes, bytes, bytes, bool]:
-    """A delta event's SSE frame, as ``Session._event`` writes it, cut around its delta and its
+    """A delta event's SSE frame (``event_frame``), cut around its delta and its
     sequence number: (head, middle, tail, whether the delta comes first)."""
     [event] = make(dataclasses.replace(state), MARK)
     event.sequence_number = NUMBER
-    frame = f"event: {event.type}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
+    frame = event_frame(event)
     mark, number = pydantic_core.to_json(MARK), str(NUMBER).encode()
     at_mark, at_number = frame.index(mark), frame.index(number)
     if frame.count(mark) != 1 or frame.count(number) != 1:

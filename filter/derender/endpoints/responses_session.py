@@ -16,7 +16,7 @@ import sys
 from collections import deque
 from typing import Any
 
-from .responses_lean import Frame, LoopBody
+from .responses_lean import Frame, LoopBody, event_frame
 from ..translate.errors import HTTPError, from_exception
 from ..translate import lean
 from ..translate.stream import WAIT, close_chain
@@ -122,10 +122,7 @@ class Session:
         if isinstance(event, Frame):
             self.frames.append(event.frame)
             return
-        self.frames.append(
-            f"event: {getattr(event, 'type', 'unknown')}\ndata: "
-            f"{event.model_dump_json(indent=None, by_alias=True)}\n\n".encode()
-        )
+        self.frames.append(event_frame(event))
 
     def _drive(self) -> None:
         """Run the event generator until it waits for the next output, ends, or awaits something
