@@ -73,12 +73,16 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
         # that is really down has its requests retried elsewhere (connect-failure) until the second.
         cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
                                      "http_health_check": {"path": "/health"}}]
+        # A replica's health change reaches the workers' balancers at once, not merged over Envoy's
+        # default 1 s window: otherwise for up to a second after Envoy (and its admin page) call a
+        # replica healthy, the ring still lacks it, and then a conversation's key moves replicas.
+        cluster["common_lb_config"] = {"update_merge_window": "0s"}
     ring = {"consistent_hashing_lb_config": {"hash_balance_factor": BALANCE_FACTOR}}
     if routing == "least-request":
         cluster["lb_policy"] = "LEAST_REQUEST"
     elif routing == "prefix":
         cluster["lb_policy"] = "RING_HASH"
-        cluster["common_lb_config"] = ring
+        cluster.setdefault("common_lb_config", {}).update(ring)
     elif routing == "precise":
         ring_hash = {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash", **ring}
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {

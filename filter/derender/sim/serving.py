@@ -23,7 +23,8 @@ class Serving:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.received += 1
-        self.headers.append(dict(request.headers))
+        # Every value of a header: a repeated one (say the client's copy beside the filter's) shows as "a | b".
+        self.headers.append({k: " | ".join(request.headers.getall(k)) for k in request.headers})
         body, bad_json = None, None
         try:
             if raw:
