@@ -19,7 +19,7 @@ from typing import Any
 from .responses_lean import Frame, LoopBody, event_frame
 from ..translate.errors import HTTPError, from_exception
 from ..translate import lean
-from ..translate.stream import WAIT, close_chain
+from ..translate.stream import WAIT, advance, close_chain
 from ..translate.model import _EngineStandIn
 
 log = logging.getLogger("derender.responses")
@@ -132,32 +132,18 @@ class Session:
             if not (self._items or self._ended or self._failure is not None or self._throw is not None):
                 return  # the generator would only wait again
         step, self._step = self._step, None
-        while True:
-            if step is None:
-                step = self.events.__anext__()
-            try:
-                if self._throw is not None:
-                    throw, self._throw = self._throw, None
-                    awaited = step.throw(throw)
-                else:
-                    awaited = step.send(None)
-            except StopIteration as got:
-                step = None
-                self._event(got.value)
-                continue
-            except StopAsyncIteration:
-                self._over = True
-                return
-            except BaseException as exc:  # noqa: BLE001 - vLLM's generator failed: its error event
-                self._over = True
-                self._failed(exc)
-                return
-            if awaited is WAIT:
-                self._step = step
-                return
+        throw, self._throw = self._throw, None
+        step, awaited, error = advance(self.events, step, self._event, throw)
+        if error is not None:  # vLLM's generator failed: its error event
+            self._over = True
+            self._failed(error)
+        elif step is None:
+            self._over = True
+        elif awaited is WAIT:
+            self._step = step
+        else:
             self._resuming = _Resume(step, awaited)
             self._pending = asyncio.ensure_future(self._finish(self._resuming))
-            return
 
     def _lean(self) -> None:
         """The queued outputs that do not finish the choice, through vLLM's loop body (``LoopBody``)

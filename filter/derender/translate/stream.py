@@ -203,25 +203,43 @@ class UnexpectedAwait(RuntimeError):
     """A generator driven by hand awaited something other than the next event."""
 
 
-def run_until_wait(agen: Any, step: Any, out: Any) -> Any:
-    """Run the async generator ``agen`` -- its suspended ``step``, or a new step -- until it waits
-    for the next event: its suspended step, or None once it has ended. What it yields is appended
-    to ``out`` as it comes; what it raises is raised (its step is then over)."""
+def advance(agen: Any, step: Any, emit: Any, throw: BaseException | None = None) -> tuple[Any, Any, BaseException | None]:
+    """Run the async generator ``agen`` -- its suspended ``step`` (``throw`` thrown into it first, if
+    given), or a new step -- until it awaits something. Returns its suspended step and what it
+    awaits (``WAIT``: the next event); (None, None, None) once it has ended; (None, None, error) when
+    it raised ``error`` (its step is then over). What it yields goes to ``emit`` as it comes; what
+    ``emit`` raises is raised."""
     while True:
         if step is None:
             step = agen.__anext__()
         try:
-            awaited = step.send(None)
+            if throw is None:
+                awaited = step.send(None)
+            else:
+                exc, throw = throw, None
+                awaited = step.throw(exc)
         except StopIteration as got:
             step = None
-            out.append(got.value)
+            emit(got.value)
             continue
         except StopAsyncIteration:
-            return None
-        if awaited is not WAIT:
-            shut(step)
-            raise UnexpectedAwait(f"vLLM's stream generator awaited {awaited!r}")
-        return step
+            return None, None, None
+        except BaseException as exc:  # noqa: BLE001 - the generator's failure, for the caller
+            return None, None, exc
+        return step, awaited, None
+
+
+def run_until_wait(agen: Any, step: Any, out: Any) -> Any:
+    """Run the async generator ``agen`` -- its suspended ``step``, or a new step -- until it waits
+    for the next event: its suspended step, or None once it has ended. What it yields is appended
+    to ``out`` as it comes; what it raises is raised (its step is then over)."""
+    step, awaited, error = advance(agen, step, out.append)
+    if error is not None:
+        raise error
+    if step is not None and awaited is not WAIT:
+        shut(step)
+        raise UnexpectedAwait(f"vLLM's stream generator awaited {awaited!r}")
+    return step
 
 
 def close_chain(step: Any, agen: Any) -> None:
