@@ -13,7 +13,8 @@ outputs) is not here, so this process's CPU is a lower bound for vLLM's.
     python bench/coupled_vllm.py --model DIR --port 8300 --script FILE --delay 0.02 \\
         --served-model-name qwen3 --reasoning-parser qwen3 --tool-call-parser hermes --enable-auto-tool-choice
 
-``POST /bench/delay {"delay": s}`` changes the pacing; the script (the simulator's
+``POST /bench/delay {"delay": s, "lockstep": bool}`` changes the pacing (lockstep: every
+request's step on one shared clock, as the simulator's ``--lockstep``); the script (the simulator's
 JSONL, first line) is re-read on every request.
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from derender.sim.generation import StepClock  # noqa: E402
 from reference import ScriptedEngine, Step  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
@@ -45,7 +47,15 @@ class BenchEngine(ScriptedEngine):
         super().__init__(vllm_config, renderer, [])
         self.script = script
         self.delay = delay
+        self.lockstep = False
+        self.clock = StepClock()
         self.io_processor = None
+
+    async def pause(self) -> None:
+        if self.lockstep and self.delay > 0:
+            await asyncio.shield(self.clock.after(1, self.delay))
+        else:
+            await asyncio.sleep(self.delay)
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any):
         line = json.loads(self.script.read_text().splitlines()[0])
@@ -96,8 +106,10 @@ def build(argv: list[str]) -> tuple[Any, argparse.Namespace]:
     app = build_app(args, ("generate",), model_config)
 
     async def set_delay(request: Request) -> dict:
-        engine.delay = float((await request.json())["delay"])
-        return {"delay": engine.delay}
+        knobs = await request.json()
+        engine.delay = float(knobs["delay"])
+        engine.lockstep = bool(knobs.get("lockstep", engine.lockstep))
+        return {"delay": engine.delay, "lockstep": engine.lockstep}
 
     app.add_api_route("/bench/delay", set_delay, methods=["POST"])
     asyncio.run(init_app_state(engine, app.state, args, ("generate",)))

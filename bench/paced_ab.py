@@ -62,7 +62,8 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
     started: list[procs.Proc] = []
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1"]
-        server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env)
+        server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env,
+                                          lockstep=args.lockstep)
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
         url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
@@ -91,6 +92,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=4, help="batches of --streams measured per round (default 4)")
     parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lockstep", action="store_true",
+                        help="every stream's event at the same moment, one step every --delay (one GPU's batch)")
     parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
                         help="the endpoint the streams are asked through (default chat)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
@@ -111,9 +114,10 @@ def main() -> int:
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/paced_ab.py "
         f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
-        f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}`: "
-        f"{args.streams} concurrent qwen3 + hermes {args.api} streams of {args.tokens} tokens, one token per event every "
-        f"{args.delay * 1e3:.0f} ms, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
+        f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}"
+        f"{' --lockstep' if args.lockstep else ''}`: {args.streams} concurrent qwen3 + hermes {args.api} streams of "
+        f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
+        f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
         f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",
         "",
         "| tree | worker | its main thread | its other threads | Envoy | worker + Envoy | ext_proc msgs/token | failed | every round (worker) |",

@@ -165,12 +165,14 @@ def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
 
 
 def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
-                env: dict[str, str] | None = None, sim: list[str] | None = None) -> tuple[Proc, Envoy]:
+                env: dict[str, str] | None = None, sim: list[str] | None = None,
+                lockstep: bool = False) -> tuple[Proc, Envoy]:
     """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the
     caller's ``finally``): a simulator in script mode (``sim``: its program, default ``derender sim``)
     sending ``script``'s tokens one event every ``delay`` seconds, a filter (``derender serve --model
     model_dir`` and ``serve_args``, with ``env``) producing from it, and Envoy in front. Returns the
-    filter and Envoy, both ready."""
+    filter and Envoy, both ready. ``lockstep``: every stream's event at the same step (``derender sim
+    --lockstep``), as one GPU decodes its batch."""
     sim_port, port = free_port(), free_port()
     producer = Proc(f"{name}-sim", [*(sim or [PYTHON, "-m", "derender.cli", "sim"]), "--model", model_dir, "--port",
                                     str(sim_port), "--mode", "script", "--script", str(script)]).start()
@@ -183,7 +185,7 @@ def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, se
     envoy = start_envoy(f"{name}-envoy", sim_port, port)
     started.append(envoy.proc)
     envoy.proc.wait(lambda: http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
-    post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay})
+    post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay, "lockstep": lockstep})
     return server, envoy
 
 

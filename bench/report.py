@@ -265,14 +265,19 @@ def paced_ratios(runs: dict) -> list[str]:
 def paced_markdown(r: dict) -> str:
     """The report of a ``--only paced`` run."""
     env = r.get("env", {})
+    lockstep = r.get("plan", {}).get("lockstep", False)
+    out = "PACED_LOCKSTEP.md" if lockstep else "PACED.md"
     head = [
         "# derender benchmark: production pacing, chat, Messages and Responses",
         "",
         f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), {env.get('workers')} "
-        "filter workers; command: `.venv/bin/python bench/run.py --only paced --out bench/PACED.md`. The same "
-        "qwen3 + hermes reasoning + tool-call token streams, one token per producer event, asked through "
-        "/v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc and "
-        "vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same.",
+        f"filter workers; command: `.venv/bin/python bench/run.py --only paced{' --lockstep' if lockstep else ''} --out "
+        f"bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
+        "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc "
+        "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Pacing: "
+        + ("**lockstep**: one engine step every 20 ms for every stream at once, as one GPU decodes its whole batch "
+           "(the simulator's and the coupled engine's `StepClock`)." if lockstep else
+           "each stream's events 20 ms apart on a timer of its own (streams out of step with each other)."),
         "",
     ]
     return "\n".join(head + paced_sections(r.get("plan", {}), r.get("throughput", {})))

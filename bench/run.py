@@ -217,9 +217,11 @@ class Bench:
         self.script.write_text(streams.script_line(token_ids))
 
     def sim_config(self, **knobs) -> None:
+        if "delay" in knobs:
+            knobs.setdefault("lockstep", False)
         post(self.sim_url + "/sim/config", knobs)
         if "delay" in knobs:  # vLLM's coupled server paces its scripted engine the same way
-            post(self.coupled_url + "/bench/delay", {"delay": knobs["delay"]})
+            post(self.coupled_url + "/bench/delay", {"delay": knobs["delay"], "lockstep": knobs["lockstep"]})
 
     def with_coupled(self) -> dict[str, Config]:
         return {**self.configs, self.coupled.name: self.coupled}
@@ -319,7 +321,7 @@ class Bench:
         """Many streams at once, each paced like a decoding GPU: tokens per second and CPU per token
         (``only``: these configurations, by name; the agent APIs' rows are always added)."""
         plan = self.plan
-        self.sim_config(delay=plan.load_delay)
+        self.sim_config(delay=plan.load_delay, lockstep=self.args.lockstep)
         out: dict = {}
         for concurrency in plan.concurrency:
             self.warm_up(concurrency)
@@ -557,11 +559,14 @@ def main() -> int:
                         help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min); paced: only "
                         "section 1b (production pacing) for echo, the filter on chat / Messages / Responses and vLLM's "
                         "coupled server")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="throughput: every stream's event at the same moment, one engine step every 20 ms for all, "
+                        "as one GPU decodes its batch (default: each stream paced by its own timer)")
     args = parser.parse_args()
     plan = Plan.quick() if args.quick else Plan()
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     bench = Bench(args, plan, model_dir)
-    results: dict = {"env": environment(args), "plan": plan.__dict__}
+    results: dict = {"env": environment(args), "plan": {**plan.__dict__, "lockstep": args.lockstep}}
     try:
         bench.start()
         partial = procs.LOGS / f"results-{os.getpid()}.json"

@@ -111,7 +111,11 @@ class ScriptedEngine:
                 yield got
                 if got.finished:
                     return
-            await asyncio.sleep(self.delay)
+            await self.pause()
+
+    async def pause(self) -> None:
+        """Between two engine steps."""
+        await asyncio.sleep(self.delay)
 
 
 class CoupledChat:

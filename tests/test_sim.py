@@ -581,3 +581,36 @@ def test_stream_interval_sends_the_events_vllms_output_processor_sends(vllm, int
     assert tokens_by_choice(chunks) == {0: ANSWER}
     if tokens_per_event == 1:  # one token per step: fewer events than steps
         assert len(chunks) < len(steps)
+
+
+def test_lockstep_steps_every_request_at_once(vllm):
+    """--lockstep: one engine step for every request at once, as one GPU decodes its batch; without
+    it each request's events keep the phase of its own arrival. Two streams started half a step
+    apart: each event of the second arrives next to one of the first's only in lockstep."""
+    delay = 0.04
+
+    async def arrivals(client, started: asyncio.Event | None = None) -> list[float]:
+        loop = asyncio.get_running_loop()
+        resp = await client.post("/inference/v1/generate", json=body(stream=True))
+        assert resp.status == 200
+        times = []
+        async for line in resp.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                times.append(loop.time())
+                if started:
+                    started.set()
+        return times
+
+    async def two(client) -> float:
+        started = asyncio.Event()
+        first = asyncio.ensure_future(arrivals(client, started))
+        await started.wait()  # the first's phase: its first event
+        await asyncio.sleep(delay / 2)
+        a, b = await asyncio.gather(first, arrivals(client))
+        assert len(a) == len(b) == len(ANSWER)
+        gaps = sorted(min(abs(t - s) for s in a) for t in b)
+        return gaps[len(gaps) // 2]
+
+    apart = run(sim.build_app(QWEN, delay=delay), two)
+    together = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
+    assert apart > delay / 8 > together, (apart, together)

@@ -17,10 +17,11 @@ def build_app(model_dir: str, mode: str = "echo", script: str | None = None,
               tokens_per_event: int | str = 1, delay: float = 0.0,
               finish_only_tail: bool = False, error_after: int | None = None,
               http_error: int | None = None, prefix_cache_blocks: int = 0,
-              prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False) -> web.Application:
+              prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False,
+              lockstep: bool = False) -> web.Application:
     return Simulator(model_dir, mode, script, tokens_per_event, delay, finish_only_tail,
                      error_after, http_error, prefix_cache_blocks, prefill_us_per_token,
-                     prompt_tokens_details).app()
+                     prompt_tokens_details, lockstep).app()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", help="JSONL file of choices (script mode)")
     parser.add_argument("--tokens-per-event", default="1", help="int or random:SEED")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds per event")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="--delay is one step of a clock all requests share, as one GPU decodes a batch "
+                        "(every request's event at the same moment), not a timer of each request's own")
     parser.add_argument("--finish-only-tail", action="store_true",
                         help="send finish_reason in a separate event with no tokens")
     parser.add_argument("--error-after", type=int, help="mid-stream error after N events")
@@ -54,7 +58,8 @@ def main(args: argparse.Namespace) -> int:
     tpe = str(args.tokens_per_event)
     app = build_app(args.model, args.mode, args.script, int(tpe) if tpe.isdigit() else tpe,
                     args.delay, args.finish_only_tail, args.error_after, args.http_error,
-                    args.prefix_cache_blocks, args.prefill_us_per_token, args.enable_prompt_tokens_details)
+                    args.prefix_cache_blocks, args.prefill_us_per_token, args.enable_prompt_tokens_details,
+                    args.lockstep)
     try:
         import uvloop
         loop = uvloop.new_event_loop()

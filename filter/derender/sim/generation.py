@@ -8,6 +8,30 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 
+class StepClock:
+    """The engine steps of one GPU running every request in one batch: a step every ``interval``
+    seconds, at the same moment for every request, as vLLM's continuous batching decodes them all
+    at once (``--lockstep``). Requests waiting for a step wake in one turn of the event loop."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple[float, int], asyncio.Future] = {}
+
+    def after(self, steps: int, interval: float) -> asyncio.Future:
+        """A future that resolves at the ``steps``-th step from now (the next one counts as 1)."""
+        loop = asyncio.get_running_loop()
+        key = (interval, int(loop.time() / interval) + steps)
+        future = self._steps.get(key)
+        if future is None:
+            future = self._steps[key] = loop.create_future()
+            loop.call_at(key[1] * interval, self._step, key)
+        return future
+
+    def _step(self, key: tuple[float, int]) -> None:
+        future = self._steps.pop(key)
+        if not future.done():
+            future.set_result(None)
+
+
 @dataclass
 class _Choice:
     index: int

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 
 from .cache import PrefixCache
-from .generation import _Choice, _Died, _Disconnected, _Generation, _stream_interval
+from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
 from .serving import Serving
 from .wire import FAULTS, RequestError, _TURNS, _json_response, preload_features_decoder
 
@@ -24,7 +24,8 @@ class Simulator(Serving):
                  tokens_per_event: int | str = 1, delay: float = 0.0,
                  finish_only_tail: bool = False, error_after: int | None = None,
                  http_error: int | None = None, prefix_cache_blocks: int = 0,
-                 prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False):
+                 prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False,
+                 lockstep: bool = False):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
         folder = Path(model_dir).expanduser()
@@ -42,7 +43,8 @@ class Simulator(Serving):
         self.model_name = model_dir  # what `vllm serve DIR` reports
         self.configure(mode=mode, script=script, tokens_per_event=tokens_per_event, delay=delay,
                        finish_only_tail=finish_only_tail, error_after=error_after,
-                       http_error=http_error, split_writes=1)
+                       http_error=http_error, split_writes=1, lockstep=lockstep)
+        self.clock = StepClock()
         self.requests: collections.deque = collections.deque(maxlen=50)
         self.headers: collections.deque = collections.deque(maxlen=50)  # of generate requests
         self.received = 0  # generate requests, ever
@@ -64,13 +66,15 @@ class Simulator(Serving):
                   finish_only_tail: bool | None = None, error_after: int | None = None,
                   http_error: int | None = None, split_writes: int | None = None,
                   fault: str | None = None, fault_after: int | None = None,
-                  hold_after: int | str | None = None) -> None:
+                  hold_after: int | str | None = None, lockstep: bool | None = None) -> None:
         """Set the knobs for the requests that follow (also POST /sim/config).
 
         ``error_after``, ``http_error``, ``fault`` (at event ``fault_after``, see
         FAULTS) and ``hold_after`` are set as given (None turns them off); the other
         knobs keep their value when None. ``split_writes`` > 1 writes each event in
-        that many pieces, so events cross TCP writes. ``hold_after`` N: a request
+        that many pieces, so events cross TCP writes. ``lockstep``: the ``delay`` between
+        events is one engine step of a clock every request shares (``StepClock``), not each
+        request's own timer. ``hold_after`` N: a request
         sends N events, then waits, its connection open, until POST /sim/release
         (or an abort, or its client leaving); /sim/stats lists it under ``held``.
         ``hold_after`` "end": a streaming request sends every event (its usage too) and
@@ -84,6 +88,8 @@ class Simulator(Serving):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
         if delay is not None:
             self.delay = delay
+        if lockstep is not None:
+            self.lockstep = bool(lockstep)
         if finish_only_tail is not None:
             self.finish_only_tail = finish_only_tail
         if split_writes is not None:
@@ -204,7 +210,9 @@ class Simulator(Serving):
         for count, (c, start, end, final, wait) in enumerate(schedule):
             if count == gen.hold_after:
                 await self._hold(gen)
-            if self.delay > 0:
+            if self.delay > 0 and self.lockstep:
+                await asyncio.shield(self.clock.after(wait, self.delay))  # an abort is seen at the step
+            elif self.delay > 0:
                 try:
                     await asyncio.wait_for(gen.aborted.wait(), self.delay * wait)
                 except asyncio.TimeoutError:
