@@ -585,12 +585,14 @@ def test_stream_interval_sends_the_events_vllms_output_processor_sends(vllm, int
 
 def test_lockstep_steps_every_request_at_once(vllm):
     """--lockstep: one engine step for every request at once, as one GPU decodes its batch; without
-    it each request's events keep the phase of its own arrival. Two streams started half a step
-    apart: each event of the second arrives next to one of the first's only in lockstep."""
-    delay = 0.04
+    it each request waits a whole delay from its own arrival. The second of two streams starts half
+    a step after the first's first event: in lockstep its first event comes at the next shared step
+    (half a step later) and each of its events beside one of the first's."""
+    delay = 0.2
 
-    async def arrivals(client, started: asyncio.Event | None = None) -> list[float]:
+    async def arrivals(client, started: asyncio.Event | None = None) -> tuple[float, list[float]]:
         loop = asyncio.get_running_loop()
+        begin = loop.time()
         resp = await client.post("/inference/v1/generate", json=body(stream=True))
         assert resp.status == 200
         times = []
@@ -599,18 +601,19 @@ def test_lockstep_steps_every_request_at_once(vllm):
                 times.append(loop.time())
                 if started:
                     started.set()
-        return times
+        return begin, times
 
-    async def two(client) -> float:
+    async def two(client) -> tuple[float, float]:
         started = asyncio.Event()
         first = asyncio.ensure_future(arrivals(client, started))
         await started.wait()  # the first's phase: its first event
         await asyncio.sleep(delay / 2)
-        a, b = await asyncio.gather(first, arrivals(client))
+        (_, a), (begin, b) = await asyncio.gather(first, arrivals(client))
         assert len(a) == len(b) == len(ANSWER)
         gaps = sorted(min(abs(t - s) for s in a) for t in b)
-        return gaps[len(gaps) // 2]
+        return b[0] - begin, gaps[len(gaps) // 2]
 
-    apart = run(sim.build_app(QWEN, delay=delay), two)
-    together = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
-    assert apart > delay / 8 > together, (apart, together)
+    wait, _ = run(sim.build_app(QWEN, delay=delay), two)
+    assert wait >= delay  # its own timer: a whole delay before its first event
+    wait, gap = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
+    assert wait < 0.75 * delay and gap < delay / 8, (wait, gap)  # the shared step, half a step away
