@@ -53,7 +53,7 @@ class BenchEngine(ScriptedEngine):
 
     async def pause(self) -> None:
         if self.lockstep and self.delay > 0:
-            await asyncio.shield(self.clock.after(1, self.delay))
+            await self.clock.wait(1, self.delay)
         else:
             await asyncio.sleep(self.delay)
 

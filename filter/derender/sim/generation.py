@@ -16,15 +16,16 @@ class StepClock:
     def __init__(self) -> None:
         self._steps: dict[tuple[float, int], asyncio.Future] = {}
 
-    def after(self, steps: int, interval: float) -> asyncio.Future:
-        """A future that resolves at the ``steps``-th step from now (the next one counts as 1)."""
+    async def wait(self, steps: int, interval: float) -> None:
+        """Until the ``steps``-th step from now (the next one counts as 1). A waiter cancelled (its
+        client gone) leaves the step's future, which the other waiters share, as it is."""
         loop = asyncio.get_running_loop()
         key = (interval, int(loop.time() / interval) + steps)
         future = self._steps.get(key)
         if future is None:
             future = self._steps[key] = loop.create_future()
             loop.call_at(key[1] * interval, self._step, key)
-        return future
+        await asyncio.shield(future)
 
     def _step(self, key: tuple[float, int]) -> None:
         future = self._steps.pop(key)

@@ -211,7 +211,7 @@ class Simulator(Serving):
             if count == gen.hold_after:
                 await self._hold(gen)
             if self.delay > 0 and self.lockstep:
-                await asyncio.shield(self.clock.after(wait, self.delay))  # an abort is seen at the step
+                await self.clock.wait(wait, self.delay)  # an abort is seen at the step
             elif self.delay > 0:
                 try:
                     await asyncio.wait_for(gen.aborted.wait(), self.delay * wait)
