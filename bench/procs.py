@@ -78,10 +78,9 @@ def memory(proc: Proc) -> list[dict]:
     return out
 
 
-# One gRPC stream per HTTP/2 connection to the ext_proc: Envoy then opens a connection per
-# concurrent HTTP stream and SO_REUSEPORT spreads those over the workers. With many streams
-# per connection, Envoy's two connections (one per Envoy thread) can land on one worker.
-STREAMS_PER_CONNECTION = 1
+# gRPC streams per HTTP/2 connection to the ext_proc, as ``envoy/local.yaml`` has it: Envoy opens a
+# connection when its open ones are full, and SO_REUSEPORT spreads connections over the workers.
+STREAMS_PER_CONNECTION = 16
 
 
 def _h2_options(cluster: dict) -> dict:

@@ -50,8 +50,8 @@ def markdown(r: dict) -> str:
         f"- versions: Python {env['python']}, " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
         (f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop); the bench "
         f"sets the ext_proc cluster's `max_concurrent_streams` to {env.get('streams_per_connection')} "
-        f"(`envoy/local.yaml`: {env.get('local_streams_per_connection')}) so that Envoy opens one connection per stream "
-        "and the kernel spreads them over the workers"),
+        f"(`envoy/local.yaml`: {env.get('local_streams_per_connection')}): Envoy opens a connection when its "
+        "open ones are full, and the kernel spreads connections over the workers"),
         ("- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
         "per event, through Envoy 1.40 with `envoy/local.yaml`"),
         ("- vLLM's derender streams (section 2) take minutes of one core: they run on their own simulator and "

@@ -110,8 +110,7 @@ def test_tokenizers_the_reasoning_does_not_cover_are_refused():
 def test_long_prompts_through_envoy_on_forked_workers(sim, client, script, qwen3_tokenizer):
     """The filter's default workers are forked after the model loads (and the tokenizer threads
     warm up): every worker must tokenize long prompts in pieces, and the producer gets the ids
-    of the whole rendered text. Envoy opens one ext_proc connection per stream here, and the
-    kernel spreads them over the workers."""
+    of the whole rendered text. The kernel spreads Envoy's ext_proc connections over the workers."""
     from stack import wait_for
 
     ids = qwen3_tokenizer.encode(" done", add_special_tokens=False).ids

@@ -9,8 +9,8 @@ producer is the simulator in echo mode, pacing each event
 Every stream must end with ``[DONE]``, finish_reason "stop" and exactly the
 text of its own prompt (the tokenizer's round trip); none may stall; the
 producer must have seen nearly all of them in flight at once; every filter
-worker must have had its share (the kernel spreads Envoy's one-stream
-connections over them); the filter's and Envoy's memory must come back near
+worker must have had its share (the kernel spreads Envoy's ext_proc
+connections, 16 streams each at most, over them); the filter's and Envoy's memory must come back near
 where they were after a warm-up round.
 """
 

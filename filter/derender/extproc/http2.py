@@ -6,7 +6,9 @@ the event loop, woken through a socket pair): a fifth of a worker's CPU went to 
 echo ext_proc at 64 streams paced one token per 20 ms cost 145 us of server CPU per token on grpc.aio
 and 44 us here (``bench/PACED.md``, ``bench/echo_extproc.py --transport``). Here one
 ``asyncio.Protocol`` per connection parses the frames where they arrive and a stream's coroutine gets
-its messages through a future.
+its messages through a future. What a connection writes in one loop turn leaves in one send at the
+turn's end: with several streams per connection (``envoy/local.yaml``), a GPU's batch of events
+arrives in a few reads and its replies leave in a few sends.
 
 What it speaks is what Envoy's gRPC client (and gRPC's health-check clients) send over cleartext
 HTTP/2 (h2c, prior knowledge): SETTINGS, PING, WINDOW_UPDATE both ways (flow control is kept on what
@@ -114,6 +116,21 @@ class Connection(asyncio.Protocol):
         self.max_frame = 16384
         self.unacked = 0
         self.paused: asyncio.Future | None = None
+        self.out: list[bytes] = []  # frames of this loop turn, sent together at its end
+
+    def _write(self, data: bytes) -> None:
+        if not self.out:
+            self.loop.call_soon(self._flush_out)
+        self.out.append(data)
+
+    def _flush_out(self) -> None:
+        out, self.out = self.out, []
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def _close(self) -> None:
+        self._flush_out()
+        self.transport.close()
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -127,6 +144,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        self.out.clear()
         for stream in list(self.streams.values()):
             self._reset(stream)
         self.streams.clear()
@@ -148,10 +166,10 @@ class Connection(asyncio.Protocol):
         if not self.preface:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(bytes(buffer)):
-                    self.transport.close()
+                    self._close()
                 return
             if buffer[:len(PREFACE)] != PREFACE:
-                self.transport.close()
+                self._close()
                 return
             del buffer[:len(PREFACE)]
             self.preface = True
@@ -171,7 +189,7 @@ class Connection(asyncio.Protocol):
         except ConnectionError_ as exc:
             log.warning("HTTP/2 connection closed: %s", exc)
             self.goaway(exc.code)
-            self.transport.close()
+            self._close()
         finally:
             del buffer[:at]
 
@@ -205,7 +223,7 @@ class Connection(asyncio.Protocol):
             self._window_update(stream_id, payload)
         elif kind == PING:
             if not flags & ACK:
-                self.transport.write(frame(PING, ACK, 0, payload))
+                self._write(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             stream = self.streams.pop(stream_id, None)
             if stream is not None:
@@ -239,7 +257,7 @@ class Connection(asyncio.Protocol):
             return  # a stream already over (reset, or answered before it was done)
         self.last_stream = stream_id
         if self.server.draining:
-            self.transport.write(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
+            self._write(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
             return
         path = next((v for k, v in headers if k == ":path"), "")
         method = self.server.methods.get(path)
@@ -255,14 +273,14 @@ class Connection(asyncio.Protocol):
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         self.unacked += len(payload)
         if self.unacked >= CONNECTION_WINDOW // 2:
-            self.transport.write(frame(WINDOW_UPDATE, 0, 0, self.unacked.to_bytes(4, "big")))
+            self._write(frame(WINDOW_UPDATE, 0, 0, self.unacked.to_bytes(4, "big")))
             self.unacked = 0
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
             return
         stream.unacked += len(payload)
         if stream.unacked >= STREAM_WINDOW // 2 and not flags & END_STREAM:
-            self.transport.write(frame(WINDOW_UPDATE, 0, stream_id, stream.unacked.to_bytes(4, "big")))
+            self._write(frame(WINDOW_UPDATE, 0, stream_id, stream.unacked.to_bytes(4, "big")))
             stream.unacked = 0
         payload = self._unpad(flags, payload)
         if payload:
@@ -299,7 +317,7 @@ class Connection(asyncio.Protocol):
                 if not 16384 <= value <= 16777215:
                     raise ConnectionError_(PROTOCOL_ERROR, "bad SETTINGS_MAX_FRAME_SIZE")
                 self.max_frame = value
-        self.transport.write(frame(SETTINGS, ACK, 0))
+        self._write(frame(SETTINGS, ACK, 0))
         self._flush_all()
 
     def _window_update(self, stream_id: int, payload: bytes) -> None:
@@ -387,10 +405,10 @@ class Connection(asyncio.Protocol):
         if not stream.pending and size <= stream.window and size <= self.send_window and size <= self.max_frame:
             stream.window -= size
             self.send_window -= size
-            self.transport.write(head + frame(DATA, 0, stream.id, data))
+            self._write(head + frame(DATA, 0, stream.id, data))
             return
         if head:
-            self.transport.write(head)
+            self._write(head)
         stream.pending += data
         self._flush(stream)
 
@@ -407,7 +425,7 @@ class Connection(asyncio.Protocol):
             stream.window -= size
             self.send_window -= size
         if out:
-            self.transport.write(b"".join(out))
+            self._write(b"".join(out))
         if not pending and stream.trailers is not None and stream.id in self.streams:
             self._write_trailers(stream)
 
@@ -418,7 +436,7 @@ class Connection(asyncio.Protocol):
 
     def _trailers_only(self, stream_id: int, status: int, why: str) -> None:
         block = self.encoder.encode([*RESPONSE_HEADERS, ("grpc-status", str(status)), ("grpc-message", _percent(why))])
-        self.transport.write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+        self._write(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
 
     def _finish(self, stream: Stream, status: int, why: str) -> None:
         """The handler is done: its trailers, after whatever DATA still waits for a window."""
@@ -436,9 +454,9 @@ class Connection(asyncio.Protocol):
             self._trailers_only(stream.id, status, why)
         else:
             fields = [("grpc-status", str(status))] + ([("grpc-message", _percent(why))] if why else [])
-            self.transport.write(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, self.encoder.encode(fields)))
+            self._write(frame(HEADERS, END_HEADERS | END_STREAM, stream.id, self.encoder.encode(fields)))
         if not stream.remote_closed:  # answered before the peer was done: it may stop sending (RFC 9113 8.1)
-            self.transport.write(frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big")))
+            self._write(frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big")))
 
     def _abort(self, stream: Stream, status: int, why: str) -> None:
         """A stream the filter cannot go on with: its status to the peer, its handler cancelled."""
@@ -450,7 +468,7 @@ class Connection(asyncio.Protocol):
     def goaway(self, code: int = NO_ERROR) -> None:
         if self.transport is not None and not self.transport.is_closing():
             payload = self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big")
-            self.transport.write(frame(GOAWAY, 0, 0, payload))
+            self._write(frame(GOAWAY, 0, 0, payload))
 
 
 class Server:
@@ -495,7 +513,7 @@ class Server:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for connection in list(self.connections):
-            connection.transport.close()
+            connection._close()
         self._stopped.set()
 
 
