@@ -157,3 +157,69 @@ def test_a_stream_the_client_cancels_ends_cleanly(both):
     assert replies[0].immediate_response.status.code == 200
     log = flt.log.read_text(errors="replace")
     assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
+
+
+def test_replies_made_in_one_loop_turn_leave_in_one_send(monkeypatch):
+    """Two streams on one connection (Envoy puts up to 16 on one) whose messages arrive in one read:
+    both replies go out in one send, each on its own stream, then each stream's trailers."""
+    import asyncio
+
+    from derender.extproc import http2
+    from hpack import Encoder
+
+    sends: list[bytes] = []
+    made = http2.Connection.connection_made
+
+    class Counted:  # the real transport, its writes recorded
+        def __init__(self, transport):
+            self.transport = transport
+
+        def __getattr__(self, name):
+            return getattr(self.transport, name)
+
+        def write(self, data):
+            sends.append(bytes(data))
+            self.transport.write(data)
+
+    monkeypatch.setattr(http2.Connection, "connection_made", lambda self, transport: made(self, Counted(transport)))
+
+    async def handler(read, write):
+        message = await read()
+        await write(pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=message.request_headers.headers.headers[1].raw_value)))))
+        assert await read() is http2.EOF
+
+    def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+        out, at = [], 0
+        while at + 9 <= len(data):
+            length = int.from_bytes(data[at:at + 3], "big")
+            out.append((data[at + 3], data[at + 4], int.from_bytes(data[at + 5:at + 9], "big"), data[at + 9:at + 9 + length]))
+            at += 9 + length
+        return out
+
+    async def run() -> list[bytes]:
+        server = http2.Server({PROCESS: (pb.ProcessingRequest.FromString, handler)})
+        port = free_port()
+        await server.start("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        encoder = Encoder()
+        out = http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
+        for stream_id, path in ((1, "/one"), (3, "/three")):
+            block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", PROCESS), (":authority", "t"),
+                                    ("content-type", "application/grpc"), ("te", "trailers")])
+            message = _headers("POST", path, True).SerializeToString()
+            out += http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, block)
+            out += http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"\x00" + len(message).to_bytes(4, "big") + message)
+        writer.write(out)  # both streams' requests in one write: one read for the server
+        received = b""
+        while len([f for f in frames(received) if f[0] == http2.HEADERS and f[1] & http2.END_STREAM]) < 2:  # the trailers
+            received += await asyncio.wait_for(reader.read(65536), 10)
+        writer.close()
+        await server.stop()
+        return received
+
+    received = asyncio.run(run())
+    data = [(s, pb.ProcessingResponse.FromString(p[5:])) for kind, _, s, p in frames(received) if kind == http2.DATA]
+    assert {s: r.request_headers.response.body_mutation.body for s, r in data} == {1: b"/one", 3: b"/three"}
+    replies = [send for send in sends if {s for kind, _, s, _ in frames(send) if kind == http2.DATA} == {1, 3}]
+    assert len(replies) == 1, [[(k, s) for k, _, s, _ in frames(send)] for send in sends]
