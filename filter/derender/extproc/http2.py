@@ -414,18 +414,15 @@ class Connection(asyncio.Protocol):
 
     def _flush(self, stream: Stream) -> None:
         """Send what a stream has waiting, as far as the windows allow; then its trailers if due."""
-        out = []
         pending = stream.pending
         while pending:
             size = min(len(pending), stream.window, self.send_window, self.max_frame)
             if size <= 0:
                 break
-            out.append(frame(DATA, 0, stream.id, bytes(pending[:size])))
+            self._write(frame(DATA, 0, stream.id, bytes(pending[:size])))  # the turn's one send joins them
             del pending[:size]
             stream.window -= size
             self.send_window -= size
-        if out:
-            self._write(b"".join(out))
         if not pending and stream.trailers is not None and stream.id in self.streams:
             self._write_trailers(stream)
 
