@@ -34,6 +34,7 @@ from typing import Any
 
 from . import responses_store as store
 from .chat import ChatExchange
+from ..translate.lean import one_choice_event
 from ..translate.stream import ChatStream, choice_outputs
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
@@ -170,6 +171,21 @@ class ResponsesStream(ChatStream):
 
     def start(self) -> None:
         pass
+
+    def feed(self, payload: bytes) -> tuple[bytes, bool]:
+        if self.outputs.direct_state is not None and not self.finished and self.session.takes_direct():
+            event = one_choice_event(payload)
+            res = self.outputs.direct_output(event["choices"][0]) if event is not None else None
+            if res is not None:
+                # A middle event straight into the session's lean loop body, with one output
+                # object for the stream (``ChoiceOutputs.direct_output``); anything else (a finish,
+                # an error, usage, a bad token id) takes the full path below, nothing changed.
+                if self.producer_request_id is None:
+                    self.producer_request_id = event.get("request_id")  # type: ignore[union-attr]
+                self.completion_tokens += len(res.outputs[0].token_ids)
+                self.session.direct(res)
+                return b"", False
+        return super().feed(payload)
 
     def _accept(self, outputs: list[Any]) -> None:
         self.session.push(outputs)

@@ -57,6 +57,7 @@ class Session:
         self._loop: LoopBody | None = None  # the lean path: vLLM's per-output loop body, run here
         self._throw: BaseException | None = None  # raised by that body: into the suspended step
         self.lean_events = 0  # outputs the lean path took (tests read it)
+        self.direct_events = 0  # of those, outputs handed in directly (``direct``)
 
     # -- the engine side -----------------------------------------------------------
     def generate(self, engine_input: Any, params: Any, kwargs: dict[str, Any]) -> Any:
@@ -148,14 +149,32 @@ class Session:
     def _lean(self) -> None:
         """The queued outputs that do not finish the choice, through vLLM's loop body (``LoopBody``)
         here, not through its generator chain; what that body raises goes into the suspended step."""
-        items, loop = self._items, self._loop
+        items = self._items
         while items and items[0].outputs and items[0].outputs[0].finish_reason is None:
-            try:
-                loop.step(items.popleft(), self._event)
-            except Exception as exc:  # noqa: BLE001 - raised where vLLM's generator would meet it
-                self._throw = exc
+            if not self._take(items.popleft()):
                 return
-            self.lean_events += 1
+
+    def _take(self, res: Any) -> bool:
+        """One output through the lean loop body; False if the body raised (kept for the step)."""
+        try:
+            self._loop.step(res, self._event)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - raised where vLLM's generator would meet it
+            self._throw = exc
+            return False
+        self.lean_events += 1
+        return True
+
+    def takes_direct(self) -> bool:
+        """An output that finishes nothing may go into the lean loop body at once (``direct``):
+        vLLM's generator waits for the next output, none is queued, nothing has failed or ended."""
+        return (self._loop is not None and self._step is not None and self._throw is None and not self._items
+                and not self._ended and self._failure is None and self._pending is None and not self._over)
+
+    def direct(self, res: Any) -> None:
+        """``res`` (finishing nothing; ``takes_direct``) through the lean loop body now, as ``_lean``
+        would take it from the queue at the next ``settle``, with no queue, no wake-up."""
+        if self._take(res):
+            self.direct_events += 1
 
     async def _finish(self, resume: _Resume) -> None:
         """A step that awaited something other than the next output, finished as a task would."""

@@ -91,6 +91,22 @@ def eligible(model: Model, rendered: Rendered, *, continuous_usage: bool = False
     return continuous_usage or not continuous
 
 
+def one_choice_event(payload: bytes) -> dict[str, Any] | None:
+    """A producer token event with exactly one choice, as a direct step takes it; None for anything
+    else (an error, another output mode, several choices, not JSON), which the full path takes."""
+    if payload[:1] != b"{":
+        return None
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return None
+    choices = event.get("choices")
+    if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
+            or len(choices) != 1 or type(choices[0]) is not dict):
+        return None
+    return event
+
+
 class _Frame:
     """What the lean path takes from vLLM's running generator, and the chunk's two halves."""
 
@@ -156,17 +172,10 @@ class LeanChatStream(ChatStream):
         its new text from the detokenizer, then the parsers' step; the generator, which would only
         wait again, is not woken. Any other event (a finish, an error, usage, another choice, a bad
         token id) returns None before anything changed, for the full path."""
-        if payload[:1] != b"{":
+        event = one_choice_event(payload)
+        if event is None:
             return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return None
-        choices = event.get("choices")
-        if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
-                or len(choices) != 1 or type(choices[0]) is not dict):
-            return None
-        got = self.outputs.direct_text(choices[0])
+        got = self.outputs.direct_text(event["choices"][0])
         if got is None:
             return None
         text, ids = got

@@ -121,6 +121,7 @@ class ChoiceOutputs:
         # The request state whose token events may skip ``process_outputs`` (``step``), if any.
         self.direct_state = self._direct_state(params) if direct else None
         self.direct_steps = 0  # events that skipped process_outputs
+        self._reused: RequestOutput | None = None  # ``direct_output``'s one output
 
     def _direct_state(self, params: SamplingParams) -> Any:
         """The one choice's request state, when all ``OutputProcessor.process_outputs`` does for an
@@ -180,6 +181,34 @@ class ChoiceOutputs:
         ids = checked[1]
         state.detokenizer.update(ids, False)  # no stop strings: it finds none
         return state.detokenizer.get_next_output_text(False, True), ids
+
+    def direct_output(self, choice: dict[str, Any]) -> RequestOutput | None:
+        """The lean Responses path's step: a choice event's ``RequestOutput`` as ``step`` makes it for
+        an event that skips ``process_outputs``, but one object for the whole stream, its completion's
+        text and ids replaced each time (nothing else in it changes from event to event then: no
+        logprobs, no finish, the same prompt, stats and cache count). Its reader, vLLM's Responses
+        loop body, is done with it before the next event and keeps only what it copies out of it.
+        None, with nothing changed, unless ``step`` would skip ``process_outputs`` for the event."""
+        out = self._reused
+        if out is None:
+            outs, _ = self.step(choice) if self._direct_ok(choice) else ([], False)
+            if len(outs) != 1:
+                return None
+            self._reused = out = outs[0]
+            return out
+        got = self.direct_text(choice)
+        if got is None:
+            return None
+        completion = out.outputs[0]
+        completion.text, completion.token_ids = got
+        return out
+
+    def _direct_ok(self, choice: dict[str, Any]) -> bool:
+        try:
+            checked = self._checked(choice)
+        except ProducerError:  # ``step`` raises it
+            return False
+        return checked is not None and self._direct(checked[2]) is not None
 
     def step(self, choice: dict[str, Any]) -> tuple[list[RequestOutput], bool]:
         """Apply one producer choice event.
