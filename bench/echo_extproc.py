@@ -17,10 +17,13 @@ import logging
 import grpc
 from derender.extproc import http2, workers
 from derender.extproc.health import EXT_PROC_SERVICE, Http2Health, add_health
-from derender.extproc.server import PROCESS
 from grpc.aio import EOF
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+# The ext_proc method's path (``derender.extproc.server.PROCESS``, which imports vLLM: this server runs
+# without it, on any Python that has grpcio, xds-protos, uvloop and hpack; ``bench/echo_pythons.py``).
+PROCESS = f"/{pb.DESCRIPTOR.services_by_name['ExternalProcessor'].full_name}/Process"
 
 
 class EchoProcessor(pb_grpc.ExternalProcessorServicer):

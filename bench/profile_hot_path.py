@@ -6,7 +6,10 @@ body chunk -- after a real ``request_body`` render, in this process, and reports
 CPU microseconds per token for each length. ``--profile`` adds cProfile's top
 functions for the longest stream.
 
-    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile [--stream-path vllm]
+    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile [--stream-path vllm] [--api responses]
+
+Also reported: the request's fixed CPU (``request_body``'s render, every thread of this process)
+and, from two lengths, the cost per token and per stream that the lengths' totals imply.
 """
 
 from __future__ import annotations
@@ -45,11 +48,17 @@ def events(token_ids: list[int]) -> list[bytes]:
     return frames
 
 
-async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple[float, bytes]:
-    from derender.endpoints.chat import ChatExchange
+async def one_stream(model, producer, chat: bytes, frames: list[bytes], api: str = "chat") -> tuple[float, bytes, float]:
+    """(CPU of the response's chunks, the client's bytes, CPU of ``request_body``: the render)."""
+    if api == "responses":
+        from derender.endpoints.responses import ResponsesExchange as Exchange
+    else:
+        from derender.endpoints.chat import ChatExchange as Exchange
 
-    exchange = ChatExchange(model, producer, None)
+    exchange = Exchange(model, producer, None)
+    start = time.process_time()
     await exchange.request_body(chat)
+    render = time.process_time() - start
     exchange.response_headers(200)
     out = []
     start = time.process_time()
@@ -58,7 +67,7 @@ async def one_stream(model, producer, chat: bytes, frames: list[bytes]) -> tuple
     out.append(await exchange.response_chunk(b"", True))
     elapsed = time.process_time() - start
     exchange.close(True)
-    return elapsed, b"".join(out)
+    return elapsed, b"".join(out), render
 
 
 def hermes_model(model_dir: str):
@@ -76,26 +85,31 @@ def hermes_model(model_dir: str):
     return Model(spec)
 
 
-async def measure(model, model_dir: str, lengths: list[int], repeat: int, profile: bool) -> dict:
+async def measure(model, model_dir: str, lengths: list[int], repeat: int, profile: bool, api: str = "chat") -> dict:
     from derender.routing.producer import Producer
 
     producer = Producer("http://127.0.0.1:9")
-    chat = json.dumps(streams.chat_request("qwen3", tools=True)).encode()
-    result: dict = {"us_per_token": {}, "fold": {}}
-    await one_stream(model, producer, chat, events(streams.reasoning_tool_call(model_dir, 64)))  # warm up
+    request = streams.chat_request("qwen3", tools=True)
+    chat = json.dumps(request if api == "chat" else streams.agent_request(request, api)).encode()
+    result: dict = {"us_per_token": {}, "fold": {}, "render_us": {}}
+    for _ in range(3):  # warm up
+        await one_stream(model, producer, chat, events(streams.reasoning_tool_call(model_dir, 64)), api)
     for n in lengths:
         frames = events(streams.reasoning_tool_call(model_dir, n))
-        best = None
+        best = render = None
         for _ in range(repeat):
-            elapsed, body = await one_stream(model, producer, chat, frames)
+            elapsed, body, rendered = await one_stream(model, producer, chat, frames, api)
             best = elapsed if best is None else min(best, elapsed)
+            render = rendered if render is None else min(render, rendered)
         result["us_per_token"][n] = best / n * 1e6
-        result["fold"][n] = streams.digest(streams.fold(streams.sse_events(body)))
+        result["render_us"][n] = render * 1e6
+        if api == "chat":
+            result["fold"][n] = streams.digest(streams.fold(streams.sse_events(body)))
     if profile:
         frames = events(streams.reasoning_tool_call(model_dir, max(lengths)))
         profiler = cProfile.Profile()
         profiler.enable()
-        await one_stream(model, producer, chat, frames)
+        await one_stream(model, producer, chat, frames, api)
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_ROWS", "25")))
@@ -114,6 +128,7 @@ def main() -> int:
     parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean",
                         help="as derender serve --stream-path (default lean)")
     parser.add_argument("--when-told", action="store_true", help="load, print 'loaded', measure after a line on stdin")
+    parser.add_argument("--api", choices=("chat", "responses"), default="chat", help="which exchange (default chat)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
@@ -128,12 +143,19 @@ def main() -> int:
     if args.when_told:
         print("loaded", flush=True)
         sys.stdin.readline()
-    result = asyncio.run(measure(model, model_dir, lengths, args.repeat, args.profile))
+    result = asyncio.run(measure(model, model_dir, lengths, args.repeat, args.profile, args.api))
     if args.json:
         print(json.dumps(result))
         return 0
     for n, us in result["us_per_token"].items():
-        print(f"{n:>6} tokens: {us:8.1f} us CPU per token (translation only, no gRPC)")
+        print(f"{n:>6} tokens: {us:8.1f} us CPU per token (translation only, no gRPC); "
+              f"render {result['render_us'][n]:.0f} us CPU per request")
+    if len(lengths) >= 2:  # the chunks' CPU as a + b * n over the shortest and longest stream
+        short, long = min(lengths), max(lengths)
+        total = {n: result["us_per_token"][n] * n for n in (short, long)}
+        per_token = (total[long] - total[short]) / (long - short)
+        print(f"from {short} and {long} tokens: {per_token:.1f} us per token, {total[short] - per_token * short:.0f} us "
+              "per stream (its first and last events) besides the render")
     if "profile" in result:
         print(result["profile"])
     return 0
