@@ -55,7 +55,9 @@ def thread_cpu(pid: int) -> dict[int, float]:
         return {}
 
 
-def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace) -> dict:
+def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
+              envoy_threads: int | None = None) -> dict:
+    procs.ENVOY_CONCURRENCY = envoy_threads or args.envoy_concurrency
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
@@ -96,6 +98,10 @@ def main() -> int:
                         help="every stream's event at the same moment, one step every --delay (one GPU's batch)")
     parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
                         help="the endpoint the streams are asked through (default chat)")
+    parser.add_argument("--envoy-concurrency", type=int, default=procs.ENVOY_CONCURRENCY,
+                        help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
+    parser.add_argument("--before-envoy-concurrency", type=int, default=None,
+                        help="Envoy's threads for the before tree's rounds only (with --before . : Envoy's threads A/B)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -104,7 +110,7 @@ def main() -> int:
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     for i in range(args.rounds):
         for name, tree in trees.items():
-            result = one_round(tree, model_dir, script, args)
+            result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None)
             rounds[name].append(result)
             print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k == "msgs" else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
@@ -115,7 +121,10 @@ def main() -> int:
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/paced_ab.py "
         f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
         f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}"
-        f"{' --lockstep' if args.lockstep else ''}`: {args.streams} concurrent qwen3 + hermes {args.api} streams of "
+        f"{' --lockstep' if args.lockstep else ''}"
+        f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != 2 else ''}"
+        f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}`: "
+        f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
         f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",

@@ -81,6 +81,8 @@ def memory(proc: Proc) -> list[dict]:
 # gRPC streams per HTTP/2 connection to the ext_proc, as ``envoy/local.yaml`` has it: Envoy opens a
 # connection when its open ones are full, and SO_REUSEPORT spreads connections over the workers.
 STREAMS_PER_CONNECTION = 16
+# Envoy's worker threads (``--concurrency``) in every benchmark Envoy (``bench/run.py --envoy-concurrency``).
+ENVOY_CONCURRENCY = 2
 
 
 def _h2_options(cluster: dict) -> dict:
@@ -145,7 +147,7 @@ def start_envoy(name: str, producer_port: int, filter_port: int | None, full_dup
     path = LOGS / f"{name}-{os.getpid()}.yaml"
     LOGS.mkdir(parents=True, exist_ok=True)
     path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex))
-    argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"]
+    argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", str(ENVOY_CONCURRENCY), "--log-level", "warn", "--disable-hot-restart"]
     proc = Proc(name, argv).start()
     return Envoy(proc, port, admin)
 

