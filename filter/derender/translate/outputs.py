@@ -191,10 +191,12 @@ class ChoiceOutputs:
         None, with nothing changed, unless ``step`` would skip ``process_outputs`` for the event."""
         out = self._reused
         if out is None:
-            outs, _ = self.step(choice) if self._direct_ok(choice) else ([], False)
-            if len(outs) != 1:
+            if not self._direct_ok(choice):
                 return None
-            self._reused = out = outs[0]
+            # ``step``'s direct branch: vLLM's make_request_output gives exactly one output here
+            # (``direct_state``: delta outputs, stream interval 1, no parent request).
+            [out] = self.step(choice)[0]
+            self._reused = out
             return out
         got = self.direct_text(choice)
         if got is None:
