@@ -217,10 +217,11 @@ class Bench:
         self.script.write_text(streams.script_line(token_ids))
 
     def sim_config(self, **knobs) -> None:
-        if "delay" in knobs:
+        paced = "delay" in knobs
+        if paced:
             knobs.setdefault("lockstep", False)
         post(self.sim_url + "/sim/config", knobs)
-        if "delay" in knobs:  # vLLM's coupled server paces its scripted engine the same way
+        if paced:  # vLLM's coupled server paces its scripted engine the same way
             post(self.coupled_url + "/bench/delay", {"delay": knobs["delay"], "lockstep": knobs["lockstep"]})
 
     def with_coupled(self) -> dict[str, Config]:
