@@ -41,19 +41,9 @@ def version(python: str) -> str:
 def one_round(python: str, model_dir: str, script: Path, args: argparse.Namespace) -> dict:
     started: list[procs.Proc] = []
     try:
-        sim_port, port = procs.free_port(), procs.free_port()
-        sim = procs.Proc("pyecho-sim", [procs.PYTHON, "-m", "derender.cli", "sim", "--model", model_dir, "--port",
-                                        str(sim_port), "--mode", "script", "--script", str(script)]).start()
-        started.append(sim)
-        echo = procs.Proc("pyecho", [python, str(BENCH / "echo_extproc.py"), "--port", str(port), "--workers", "1"],
-                          env={"PYTHONPATH": str(BENCH.parent / "filter")}).start()
-        started.append(echo)
-        sim.wait(lambda: procs.http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
-        echo.wait(lambda: procs.tcp_open(port), 120)
-        envoy = procs.start_envoy("pyecho-envoy", sim_port, port)
-        started.append(envoy.proc)
-        envoy.proc.wait(lambda: procs.http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
-        procs.post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": args.delay, "lockstep": args.lockstep})
+        echo, envoy = procs.start_stack(started, "pyecho", model_dir, script, [], args.delay,
+                                        env={"PYTHONPATH": str(BENCH.parent / "filter")}, lockstep=args.lockstep,
+                                        server=[python, str(BENCH / "echo_extproc.py"), "--workers", "1"])
         # The producer request itself (the echo changes nothing, so the client reads token-id events).
         body = json.dumps({"model": "qwen3", "token_ids": list(range(1000, 1400)), "stream": True,
                            "sampling_params": {"max_tokens": 4096}}).encode()

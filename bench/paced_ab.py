@@ -57,7 +57,6 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
               envoy_threads: int | None = None) -> dict:
-    procs.ENVOY_CONCURRENCY = envoy_threads or args.envoy_concurrency
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
@@ -65,7 +64,8 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1"]
         server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env,
-                                          lockstep=args.lockstep)
+                                          lockstep=args.lockstep,
+                                          envoy_concurrency=envoy_threads or args.envoy_concurrency)
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
         url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
@@ -122,7 +122,7 @@ def main() -> int:
         f"--before <checkout of {commit_of(args.before)}>{' --after <checkout>' if args.after else ''} "
         f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}"
         f"{' --lockstep' if args.lockstep else ''}"
-        f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != 2 else ''}"
+        f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != procs.ENVOY_CONCURRENCY else ''}"
         f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"

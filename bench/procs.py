@@ -142,12 +142,15 @@ class Envoy:
         return out
 
 
-def start_envoy(name: str, producer_port: int, filter_port: int | None, full_duplex: bool = False) -> Envoy:
+def start_envoy(name: str, producer_port: int, filter_port: int | None, full_duplex: bool = False,
+                concurrency: int | None = None) -> Envoy:
+    """Envoy in front of the producer (and the ext_proc at ``filter_port``), with ``concurrency``
+    worker threads (default ``ENVOY_CONCURRENCY``)."""
     port, admin = free_port(), free_port()
     path = LOGS / f"{name}-{os.getpid()}.yaml"
     LOGS.mkdir(parents=True, exist_ok=True)
     path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex))
-    argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", str(ENVOY_CONCURRENCY), "--log-level", "warn", "--disable-hot-restart"]
+    argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", str(concurrency or ENVOY_CONCURRENCY), "--log-level", "warn", "--disable-hot-restart"]
     proc = Proc(name, argv).start()
     return Envoy(proc, port, admin)
 
@@ -167,27 +170,30 @@ def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
 
 def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
                 env: dict[str, str] | None = None, sim: list[str] | None = None,
-                lockstep: bool = False) -> tuple[Proc, Envoy]:
+                lockstep: bool = False, server: list[str] | None = None,
+                envoy_concurrency: int | None = None) -> tuple[Proc, Envoy]:
     """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the
     caller's ``finally``): a simulator in script mode (``sim``: its program, default ``derender sim``)
     sending ``script``'s tokens one event every ``delay`` seconds, a filter (``derender serve --model
-    model_dir`` and ``serve_args``, with ``env``) producing from it, and Envoy in front. Returns the
-    filter and Envoy, both ready. ``lockstep``: every stream's event at the same step (``derender sim
-    --lockstep``), as one GPU decodes its batch."""
+    model_dir`` and ``serve_args``, with ``env``; ``server``: another ext_proc program instead, given
+    only ``--port``) producing from it, and Envoy in front (``envoy_concurrency`` threads). Returns the
+    ext_proc server and Envoy, both ready. ``lockstep``: every stream's event at the same step
+    (``derender sim --lockstep``), as one GPU decodes its batch."""
     sim_port, port = free_port(), free_port()
     producer = Proc(f"{name}-sim", [*(sim or [PYTHON, "-m", "derender.cli", "sim"]), "--model", model_dir, "--port",
                                     str(sim_port), "--mode", "script", "--script", str(script)]).start()
     started.append(producer)
-    server = Proc(f"{name}-filter", [PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve_args, "--port",
-                                     str(port), "--producer", f"http://127.0.0.1:{sim_port}"], env=env).start()
-    started.append(server)
+    argv = server or [PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve_args,
+                      "--producer", f"http://127.0.0.1:{sim_port}"]
+    ext_proc = Proc(f"{name}-filter", [*argv, "--port", str(port)], env=env).start()
+    started.append(ext_proc)
     producer.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
-    server.wait(lambda: tcp_open(port), 600)
-    envoy = start_envoy(f"{name}-envoy", sim_port, port)
+    ext_proc.wait(lambda: tcp_open(port), 600)
+    envoy = start_envoy(f"{name}-envoy", sim_port, port, concurrency=envoy_concurrency)
     started.append(envoy.proc)
     envoy.proc.wait(lambda: http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
     post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay, "lockstep": lockstep})
-    return server, envoy
+    return ext_proc, envoy
 
 
 def post(url: str, body: dict) -> None:
