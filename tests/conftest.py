@@ -113,3 +113,15 @@ def agents(agent_stack):
     agent_stack.sim_config(**defaults)
     yield agent_stack
     agent_stack.sim_config(**defaults)
+
+
+@pytest.fixture(scope="session")
+def h2_target(qwen3_dir):
+    """The filter the HTTP/2 conformance, attack and fuzz tests speak to on its ext_proc port (default
+    transport; idle connections closed after 5 s, so that the idle timeout is met too), with the
+    simulator behind it and Envoy in front."""
+    from stack import start_target
+
+    target = start_target(qwen3_dir, "--ext-proc-idle-timeout", "5")
+    yield target
+    target.stop()

@@ -172,3 +172,53 @@ class Stack:
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+
+
+@dataclass
+class Target:
+    """A filter whose ext_proc port a test speaks to directly (one worker: its process is the server),
+    its Prometheus metrics, the simulator behind it and an Envoy in front of it."""
+
+    filter: Proc
+    port: int
+    metrics_url: str
+    sim: Proc
+    sim_url: str
+    envoy: Proc
+    envoy_url: str
+
+    def defences(self) -> dict[str, float]:
+        """``derender_ext_proc_defences_total`` by defence, as the metrics port reports it now."""
+        text = http_get(self.metrics_url, timeout=10)[1].decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("derender_ext_proc_defences_total{"):
+                name = line.split('defence="', 1)[1].split('"', 1)[0]
+                out[name] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    def rss(self) -> int:
+        import psutil
+
+        return psutil.Process(self.filter.popen.pid).memory_info().rss
+
+    def stop(self) -> None:
+        for p in (self.envoy, self.filter, self.sim):
+            p.stop()
+
+
+def start_target(model_dir: str, *flags: str, transport: str = "http2") -> Target:
+    sim, sim_url = start_sim(model_dir)
+    port, metrics = free_port(), free_port()
+    flt = Proc(f"filter-{transport}", [*DERENDER, "serve", "--model", model_dir, "--served-model-name", "qwen3",
+                                       "--max-model-len", "4096", "--port", str(port), "--producer", sim_url,
+                                       "--workers", "1", "--metrics-port", str(metrics), "--transport", transport,
+                                       *flags]).start()
+    try:
+        flt.wait(lambda: tcp_open(port), 300)
+        envoy, base = start_envoy(port, sim_url)
+    except Exception:
+        flt.stop()
+        sim.stop()
+        raise
+    return Target(flt, port, f"http://127.0.0.1:{metrics}/metrics", sim, sim_url, envoy, base)

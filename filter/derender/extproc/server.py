@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -114,7 +115,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         # generator of replies: two layers of async generators less per message. An echo server
         # spends 0.88x the CPU per message this way; the filter at 64 streams paced one token per
         # 20 ms, 430 against 462 us per token (medians of 8 interleaved rounds, each +-10 %).
-        await self.serve_stream(context.read, context.write)
+        try:
+            await self.serve_stream(context.read, context.write)
+        except http2.Status as exc:  # the same status as the filter's own transport sends
+            await context.abort(grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == exc.code)), str(exc))
 
     async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply.
@@ -129,7 +133,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if message is EOF:
                     break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers":
+                if kind == "request_headers" and exchange is None and not complete:
                     headers = _header_map(message.request_headers)
                     denied = auth.check(headers)
                     if denied is not None:  # before anything is routed, let alone sent to a producer
@@ -143,7 +147,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     exchange = routed
                     await write(self._request_headers(headers))
-                elif kind == "request_body" and exchange is not None:
+                elif kind == "request_body" and exchange is not None and not rewritten:
                     try:
                         rewrite = await exchange.request_body(message.request_body.body)
                     except HTTPError as exc:
@@ -192,9 +196,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     await write(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
                 elif kind == "response_trailers":
                     await write(pb.ProcessingResponse(response_trailers=pb.TrailersResponse()))
-                else:
-                    log.warning("unexpected ext_proc message %s", kind)
-        except asyncio.CancelledError:
+                else:  # never from Envoy with the filter's processing modes: the stream ends
+                    raise http2.Status(http2.INVALID_ARGUMENT, f"unexpected ext_proc message {kind}")
+        except (asyncio.CancelledError, http2.Status):
             raise
         except Exception:
             log.exception("ext_proc stream failed")
@@ -270,6 +274,37 @@ class ObservedProcessor(ExternalProcessor):
             observer.close()
 
 
+@dataclass(frozen=True)
+class Listener:
+    """The ext_proc port's bounds and TLS: ``limits`` (``http2.Limits``; grpc.aio gets the ones it has),
+    and with ``tls_cert`` / ``tls_key`` TLS, with ``tls_client_ca`` client certificates required (mTLS)."""
+
+    limits: http2.Limits = field(default_factory=http2.Limits)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        limits = self.limits
+        return [
+            ("grpc.max_receive_message_length", limits.max_message),
+            ("grpc.max_send_message_length", limits.max_message),
+            ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+            ("grpc.max_metadata_size", limits.max_header_list),
+            ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
+            ("grpc.keepalive_time_ms", int(limits.keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout * 1000)),
+        ]
+
+    def grpc_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls_cert:
+            return None
+        read = lambda path: open(path, "rb").read()  # noqa: E731
+        ca = read(self.tls_client_ca) if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([(read(self.tls_key), read(self.tls_cert))], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+
+
 async def serve(
     model: Model,
     producer_url: str,
@@ -278,8 +313,10 @@ async def serve(
     ready: asyncio.Event | None = None,
     reuse_port: bool = False,
     routing: RoutingSpec | None = None,
+    listener: Listener | None = None,
 ) -> None:
     """Serve ext_proc on ``host:port``; ``reuse_port`` lets sibling workers bind the same port."""
+    listener = listener or Listener()
     producer = producers(producer_url.split(","))
     router = Router(model, producer, routing)
     for backend in router.backends:
@@ -292,24 +329,25 @@ async def serve(
     if TRANSPORT == "http2":
         health = Http2Health(("", EXT_PROC_SERVICE))
         methods = {PROCESS: (pb.ProcessingRequest.FromString, processor.serve_stream), **health.methods()}
-        server = http2.Server(methods, max_message=MAX_MESSAGE)
-        await server.start(host, port, reuse_port=reuse_port)
+        server = http2.Server(methods, listener.limits, on_defence=metrics.defence)
+        tls = None
+        if listener.tls_cert:
+            tls = http2.tls_context(listener.tls_cert, listener.tls_key, listener.tls_client_ca)
+        await server.start(host, port, reuse_port=reuse_port, ssl=tls)
     else:
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE),
-                ("grpc.max_send_message_length", MAX_MESSAGE),
-                ("grpc.so_reuseport", 1 if reuse_port else 0),
-            ]
-        )
+        server = grpc.aio.server(options=[*listener.grpc_options(), ("grpc.so_reuseport", 1 if reuse_port else 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health = await add_health(server)
-        if server.add_insecure_port(address) == 0:
+        credentials = listener.grpc_credentials()
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+        if bound == 0:
             raise OSError(f"cannot listen on {address}")
         await server.start()
     metrics.start_server()
     watch = loopwatch.start()
-    log.info("ext_proc listening on %s (transport %s), producer %s", address, TRANSPORT, producer_url)
+    log.info("ext_proc listening on %s (transport %s%s), producer %s", address, TRANSPORT,
+             ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "", producer_url)
     if ready is not None:
         ready.set()
     try:
@@ -325,7 +363,6 @@ async def serve(
 # HTTP/2 on the event loop's thread (``extproc.http2``), or "grpcio", grpc.aio.
 TRANSPORT = "http2"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-MAX_MESSAGE = 256 << 20
 
 # Seconds the streams in flight get to finish after SIGTERM (``derender serve --drain-timeout``).
 DRAIN_TIMEOUT = 30.0

@@ -36,11 +36,13 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def filter_server(model: Any, producer: str, host: str, port: int, routing: Any = None) -> Serve:
-    """The ext_proc filter for ``model`` as a ``Serve`` (``routing``: a ``RoutingSpec``)."""
+def filter_server(model: Any, producer: str, host: str, port: int, routing: Any = None, listener: Any = None) -> Serve:
+    """The ext_proc filter for ``model`` as a ``Serve`` (``routing``: a ``RoutingSpec``; ``listener``: the
+    port's bounds and TLS, a ``server.Listener``)."""
     from .server import serve
 
-    return lambda reuse_port: serve(model, producer, host, port, reuse_port=reuse_port, routing=routing)
+    return lambda reuse_port: serve(model, producer, host, port, reuse_port=reuse_port, routing=routing,
+                                    listener=listener)
 
 
 def run_one(serve: Serve, reuse_port: bool = False) -> None:

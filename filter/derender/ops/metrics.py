@@ -227,6 +227,23 @@ def routed(mode: str, route: str, replica: str | None, prompt_tokens: int, cache
         ROUTED_CACHED_TOKENS.labels(*labels).inc(cached_tokens)
 
 
+DEFENCES = Counter(
+    "derender_ext_proc_defences",
+    "Times a bound of the ext_proc port's HTTP/2 server acted, by defence (docs/operations.md, 'The ext_proc "
+    "port'): max_streams, rapid_reset, message_size, buffer_full, control_flood, read_paused, settings_flood, "
+    "priority_flood, window_update_flood, empty_frames, continuation_flood, header_list_size, frame_size, "
+    "protocol_error, stream_error, preface_timeout, settings_timeout, idle_timeout, keepalive_timeout, "
+    "max_connections",
+    ["defence"],
+    registry=REGISTRY,
+)
+
+
+def defence(name: str) -> None:
+    """A defence of the ext_proc port acted (``extproc.http2.Server.on_defence``)."""
+    DEFENCES.labels(name).inc()
+
+
 def producer_error(kind: str) -> None:
     PRODUCER_ERRORS.labels(kind).inc()
 

@@ -1,0 +1,118 @@
+"""The listening socket (cleartext, or TLS with ALPN h2), its connections, their timers, and the
+defences' count."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_
+import time
+from collections import Counter
+from typing import Callable
+
+from .connection import Connection
+from .streams import Methods
+from .wire import Limits
+
+log = logging.getLogger("derender.http2")
+
+LOG_EVERY = 10.0  # seconds between two log lines about the same defence
+
+
+class Server:
+    """The listening socket, its connections, and the methods they serve.
+
+    ``on_defence(name)`` is told each time a defence acts (``derender.ops.metrics`` counts them);
+    ``defences`` keeps the same counts."""
+
+    def __init__(self, methods: Methods, limits: Limits | None = None,
+                 on_defence: Callable[[str], None] | None = None) -> None:
+        self.methods = methods
+        self.limits = limits or Limits()
+        self.on_defence = on_defence
+        self.defences: Counter[str] = Counter()
+        self.connections: set[Connection] = set()
+        self.reserved = 0  # message bytes held by every connection, against ``max_buffered_total``
+        self.draining = False
+        self._server: asyncio.base_events.Server | None = None
+        self._stopped = asyncio.Event()
+        self._sweep: asyncio.Task | None = None
+        self._logged: dict[str, tuple[float, int]] = {}
+
+    def defended(self, name: str, why: str = "") -> None:
+        """A defence acted: counted, and logged (at most once per ``LOG_EVERY`` seconds a defence)."""
+        self.defences[name] += 1
+        if self.on_defence is not None:
+            self.on_defence(name)
+        if not why:
+            return
+        now = time.monotonic()
+        last, since = self._logged.get(name, (0.0, 0))
+        if now - last >= LOG_EVERY:
+            more = f" (and {since} more since the last report)" if since else ""
+            log.warning("%s [%s]%s", why, name, more)
+            self._logged[name] = (now, 0)
+        else:
+            self._logged[name] = (last, since + 1)
+
+    async def start(self, host: str, port: int, reuse_port: bool = False, ssl: ssl_.SSLContext | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        extra = {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
+        self._server = await loop.create_server(lambda: Connection(self), host.strip("[]") or None, port,
+                                                reuse_port=reuse_port, backlog=1024, **extra)
+        self._sweep = loop.create_task(self._sweep_timers())
+
+    async def _sweep_timers(self) -> None:
+        limits = self.limits
+        every = min(1.0, limits.preface_timeout / 4, limits.settings_timeout / 4, limits.keepalive_timeout / 4,
+                    limits.idle_timeout / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every)
+            now = loop.time()
+            for connection in list(self.connections):
+                connection.tick(now)
+
+    def streams(self) -> int:
+        return sum(len(c.streams) for c in self.connections)
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new connections and streams (GOAWAY), give the open streams ``grace`` seconds, then cut them."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.goaway()
+        if grace:
+            deadline = asyncio.get_running_loop().time() + grace
+            while self.streams() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        tasks = []
+        for connection in list(self.connections):
+            for stream in list(connection.streams.values()):
+                if stream.task is not None and not stream.task.done():
+                    stream.task.cancel()
+                    tasks.append(stream.task)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for connection in list(self.connections):
+            connection._close()
+        if self._sweep is not None:
+            self._sweep.cancel()
+        self._stopped.set()
+
+
+def tls_context(cert: str, key: str, client_ca: str | None = None) -> ssl_.SSLContext:
+    """A server TLS context for the ext_proc port: TLS 1.2+, ALPN h2; with ``client_ca``, a client
+    certificate signed by it is required (mTLS)."""
+    context = ssl_.SSLContext(ssl_.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl_.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["h2"])
+    if client_ca:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl_.CERT_REQUIRED
+    return context
