@@ -81,8 +81,11 @@ class Connection(StreamSide, asyncio.Protocol):
         # Receiving: what the peer may still send, and what was read but not yet given back.
         self.stream_window = limits.stream_window
         self.recv_window = limits.connection_window
+        self.stream_half, self.connection_half = limits.stream_window // 2, limits.connection_window // 2
         self.unacked = 0
-        self.reserved = 0  # bytes of messages admitted and not yet read, this connection's
+        self.reserved = 0  # what messages admitted and not yet read cost, this connection's
+        self.max_message, self.max_buffered = limits.max_message, limits.max_buffered
+        self.max_buffered_total = limits.max_buffered_total
         # Accounting of what makes no progress.
         self.resets = TokenBucket(limits.reset_burst, limits.reset_rate)
         self.empty_run = 0
@@ -304,7 +307,7 @@ class Connection(StreamSide, asyncio.Protocol):
         self.recv_window -= size
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
-            self._release(size)
+            self._give_back(size)
             if stream_id == 0:
                 raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
             if stream_id > self.last_stream:
@@ -314,21 +317,25 @@ class Connection(StreamSide, asyncio.Protocol):
             self._closed_stream(stream_id, DATA)
             return
         if size > stream.recv_window:
-            self._release(size)
+            self._give_back(size)
             raise StreamError(stream_id, FLOW_CONTROL_ERROR, "DATA past the stream window")
         stream.recv_window -= size
         if flags & PADDED:
             body = self._unpad(flags, payload)
-            self._release(size - len(body), stream)  # padding counts against the windows, and is returned at once
+            self._give_back(size - len(body), stream)  # padding counts against the windows, and is returned at once
         else:
             body = payload
         if body:
             self.empty_run = 0
-            stream.held += len(body)
-            stream.received += len(body)
-            if stream.content_length is not None and stream.received > stream.content_length:
-                raise StreamError(stream_id, PROTOCOL_ERROR, "DATA past content-length")
-            self._assemble(stream, body)
+            if stream.content_length is not None:
+                stream.received += len(body)
+                if stream.received > stream.content_length:
+                    self._give_back(len(body))
+                    raise StreamError(stream_id, PROTOCOL_ERROR, "DATA past content-length")
+            if not stream.buffer and len(body) >= 5 and len(body) == int.from_bytes(body[1:5], "big") + 5:
+                self._message(stream, body)  # one whole message, as most frames hold
+            else:
+                self._assemble(stream, body)
         elif not flags & END_STREAM:
             self._empty()
         if flags & END_STREAM and stream.id in self.streams:
@@ -409,7 +416,7 @@ class Connection(StreamSide, asyncio.Protocol):
             request = fields.request(decoded)
         except fields.Malformed as exc:
             raise StreamError(stream_id, PROTOCOL_ERROR, str(exc)) from None
-        if self.server.draining or self.goaway_phase:
+        if self.server.draining or self.goaway_phase == 2:  # after the last stream id was sent
             self._refuse(stream_id)
             return
         limit = self.limits.max_concurrent_streams
@@ -538,6 +545,7 @@ class Connection(StreamSide, asyncio.Protocol):
 
     def _stream_error(self, exc: StreamError) -> None:
         self.server.defended("stream_error")
+        self._made_to_reset()
         self._control(frame(RST_STREAM, 0, exc.stream_id, exc.code.to_bytes(4, "big")))
         stream = self.streams.get(exc.stream_id)
         if stream is not None:
@@ -545,7 +553,6 @@ class Connection(StreamSide, asyncio.Protocol):
             self._remove(stream, BY_US)
         else:
             self._closed_now(exc.stream_id, BY_US)
-        self._made_to_reset()
 
     def _closed_now(self, stream_id: int, how: int) -> None:
         closed = self.closed

@@ -32,8 +32,8 @@ MESSAGE_OVERHEAD = 64
 
 class Stream:
     __slots__ = ("id", "parse", "buffer", "need", "inbox", "waiter", "task", "window", "pending", "drained",
-                 "started", "ended", "remote_closed", "trailers", "recv_window", "unacked", "held", "reserved",
-                 "content_length", "received")
+                 "started", "ended", "remote_closed", "trailers", "recv_window", "unacked", "content_length",
+                 "received")
 
     def __init__(self, stream_id: int, parse: Callable[[bytes], object], window: int, recv_window: int,
                  content_length: int | None) -> None:
@@ -53,8 +53,6 @@ class Stream:
         self.trailers: tuple[int, str] | None = None  # (grpc-status, grpc-message) once the handler is done
         self.recv_window = recv_window  # what the peer may still send on it
         self.unacked = 0  # read, not yet given back in a WINDOW_UPDATE
-        self.held = 0  # received, not yet read or let go
-        self.reserved = 0  # reserved for its messages not yet read
         self.content_length = content_length
         self.received = 0
 
@@ -69,53 +67,87 @@ class StreamSide:
         self.streams[stream_id] = stream
         self.running += 1
         stream.task = self.loop.create_task(self._run(stream, handler))
+        stream.task.add_done_callback(self._handler_done)  # a task cancelled before it ran counts too
         if ended:
             self._end_of_input(stream)
 
-    def _admit(self, stream: Stream, compressed: int, length: int) -> int:
-        """A message's length prefix: its size on the wire once it is reserved, or 0 when it is refused."""
-        limits = self.limits
-        if length > limits.max_message:
-            self._abort(stream, RESOURCE_EXHAUSTED, f"message larger than {limits.max_message} bytes", "message_size")
-            return 0
-        if compressed:
-            self._abort(stream, UNIMPLEMENTED, "compressed message", "stream_error")
-            return 0
+    def _handler_done(self, task: asyncio.Task) -> None:
+        self.running -= 1
+
+    # A message goes straight to its handler when it waits in read(), as it does at production pacing:
+    # its bytes go back to the windows at once. One that must wait in the stream's inbox (or is still
+    # being received) is reserved against the connection's and the worker's budgets, and its bytes
+    # are given back when the handler reads it.
+    def _message(self, stream: Stream, body: bytes) -> None:
+        """A whole message in one DATA frame (its prefix first)."""
+        length = len(body) - 5
+        if body[0] or length > self.max_message:
+            self._refuse_message(stream, body[0], length)
+            return
+        waiter = stream.waiter
+        if waiter is not None and not stream.inbox and not waiter.done():
+            stream.waiter = None
+            waiter.set_result(body[5:])
+            self.unacked += length + 5
+            stream.unacked += length + 5
+            if self.unacked >= self.connection_half or stream.unacked >= self.stream_half:
+                self._windows(stream)
+        elif self._reserve(stream, length):
+            stream.inbox.append(body[5:])
+
+    def _reserve(self, stream: Stream, length: int) -> bool:
         cost = length + MESSAGE_OVERHEAD
         server = self.server
-        if self.reserved + cost > limits.max_buffered or server.reserved + cost > limits.max_buffered_total:
+        if self.reserved + cost > self.max_buffered or server.reserved + cost > self.max_buffered_total:
             self._abort(stream, RESOURCE_EXHAUSTED, "too many message bytes held", "buffer_full")
-            return 0
+            return False
         self.reserved += cost
         server.reserved += cost
-        stream.reserved += cost
-        return length + 5
+        return True
+
+    def _unreserve(self, stream: Stream, length: int) -> None:
+        """A reserved message read (or let go): its budget back, its bytes to the windows."""
+        self.reserved -= length + MESSAGE_OVERHEAD
+        self.server.reserved -= length + MESSAGE_OVERHEAD
+        self._give_back(length + 5, stream)
+
+    def _refuse_message(self, stream: Stream, compressed: int, length: int) -> None:
+        if length > self.max_message:
+            self._abort(stream, RESOURCE_EXHAUSTED, f"message larger than {self.max_message} bytes", "message_size")
+        else:
+            self._abort(stream, UNIMPLEMENTED, "compressed message", "stream_error")
 
     def _assemble(self, stream: Stream, data: bytes) -> None:
+        """Bytes of a stream's messages as they come, when a frame holds other than one whole message."""
         buffer = stream.buffer
-        if not buffer and len(data) >= 5:  # most DATA frames: one whole message
-            length = int.from_bytes(data[1:5], "big")
-            if len(data) == length + 5:
-                if self._admit(stream, data[0], length):
-                    self._deliver(stream, data[5:])
-                return
         buffer += data
         while True:
             need = stream.need
             if not need:
                 if len(buffer) < 5:
                     return
-                need = stream.need = self._admit(stream, buffer[0], int.from_bytes(buffer[1:5], "big"))
-                if not need:
+                length = int.from_bytes(buffer[1:5], "big")
+                if buffer[0] or length > self.max_message:
+                    self._refuse_message(stream, buffer[0], length)
                     return
+                if not self._reserve(stream, length):
+                    return
+                need = stream.need = length + 5
             if len(buffer) < need:
                 return
             message = bytes(buffer[5:need])
             del buffer[:need]
             stream.need = 0
-            self._deliver(stream, message)
+            waiter = stream.waiter
+            if waiter is not None and not stream.inbox and not waiter.done():
+                stream.waiter = None
+                waiter.set_result(message)
+                self._unreserve(stream, len(message))
+            else:
+                stream.inbox.append(message)
 
     def _deliver(self, stream: Stream, item: object) -> None:
+        """EOF (or a message already accounted for) to the handler."""
         waiter = stream.waiter
         if waiter is not None and not stream.inbox:
             stream.waiter = None
@@ -135,38 +167,36 @@ class StreamSide:
             return
         self._deliver(stream, EOF)
 
-    def _consumed(self, stream: Stream, length: int) -> None:
-        """A handler read a message of ``length`` bytes: its budget and window come back."""
-        cost = length + MESSAGE_OVERHEAD
-        stream.reserved -= cost
-        self.reserved -= cost
-        self.server.reserved -= cost
-        stream.held -= length + 5
-        self._release(length + 5, stream)
-
-    def _release(self, size: int, stream: Stream | None = None) -> None:
-        """``size`` received bytes the filter is done with: given back to the peer's windows in batches."""
+    def _give_back(self, size: int, stream: Stream | None = None) -> None:
+        """``size`` received bytes the filter is done with: to the peer's windows, in batches."""
         self.unacked += size
-        if self.unacked >= self.limits.connection_window // 2:
+        if stream is not None and not stream.remote_closed:
+            stream.unacked += size
+        self._windows(stream)
+
+    def _windows(self, stream: Stream | None) -> None:
+        """WINDOW_UPDATE for what was given back, once it is half a window (or more)."""
+        if self.unacked >= self.connection_half:
             self._control(frame(WINDOW_UPDATE, 0, 0, self.unacked.to_bytes(4, "big")))
             self.recv_window += self.unacked
             self.unacked = 0
-        if stream is not None and not stream.remote_closed:
-            stream.unacked += size
-            if stream.unacked >= self.stream_window // 2:
-                self._control(frame(WINDOW_UPDATE, 0, stream.id, stream.unacked.to_bytes(4, "big")))
-                stream.recv_window += stream.unacked
-                stream.unacked = 0
+        if stream is not None and stream.unacked >= self.stream_half and not stream.remote_closed:
+            self._control(frame(WINDOW_UPDATE, 0, stream.id, stream.unacked.to_bytes(4, "big")))
+            stream.recv_window += stream.unacked
+            stream.unacked = 0
 
     def _discard(self, stream: Stream) -> None:
-        """A stream's messages that no handler will read: its budget back, its bytes to the connection's window."""
-        if stream.reserved:
-            self.reserved -= stream.reserved
-            self.server.reserved -= stream.reserved
-            stream.reserved = 0
-        if stream.held:
-            self._release(stream.held)
-            stream.held = 0
+        """A stream's messages that no handler will read (those waiting, the one being received):
+        their budget back, their bytes to the connection's window."""
+        messages = [len(item) for item in stream.inbox if item is not EOF]
+        cost = sum(messages) + MESSAGE_OVERHEAD * len(messages)
+        if stream.need:  # reserved when its length prefix came
+            cost += stream.need - 5 + MESSAGE_OVERHEAD
+        held = sum(messages) + 5 * len(messages) + len(stream.buffer)
+        self.reserved -= cost
+        self.server.reserved -= cost
+        if held:
+            self._give_back(held)
         stream.inbox.clear()
         stream.buffer.clear()
         stream.need = 0
@@ -184,19 +214,19 @@ class StreamSide:
             stream.task.cancel()
 
     async def _run(self, stream: Stream, handler: Handler) -> None:
+        connection = self
+
         async def read() -> object:
             if stream.inbox:
                 item = stream.inbox.popleft()
+                if item is not EOF and not stream.ended:
+                    connection._unreserve(stream, len(item))
             else:
                 if stream.waiter is not None:
                     raise RuntimeError("read() while another read() waits")
-                stream.waiter = self.loop.create_future()
+                stream.waiter = connection.loop.create_future()
                 item = await stream.waiter
-            if item is EOF:
-                return item
-            if not stream.ended:
-                self._consumed(stream, len(item))
-            return stream.parse(item)
+            return item if item is EOF else stream.parse(item)
 
         async def write(message) -> None:
             if stream.ended:
@@ -221,7 +251,6 @@ class StreamSide:
         except Exception as exc:  # noqa: BLE001 - the handler's failure is the stream's status
             status, why = UNKNOWN, f"{type(exc).__name__}: {exc}"
         finally:
-            self.running -= 1
             if not stream.ended:
                 self._finish(stream, status, why)
 
