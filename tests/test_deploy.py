@@ -247,7 +247,7 @@ def test_compose_filter_command_is_one_derender_accepts(docker_env):
     filter_ = config["services"]["filter"]
     assert filter_["build"]["context"] == str(ROOT) and (ROOT / filter_["build"]["dockerfile"]).is_file()
     args = build_parser().parse_args(filter_["command"])
-    assert (args.command, args.host, args.port, args.metrics_port) == ("serve", "0.0.0.0", 9002, 9003)
+    assert (args.command, args.port, args.metrics_host, args.metrics_port) == ("serve", 9002, "0.0.0.0", 9003)
     assert (args.max_model_len, args.reasoning_parser) == (4096, "qwen3")
     assert args.producer == "http://producer:8000"
     # Prefix-cache-aware routing: the filter sets the key, Envoy's producer cluster hashes on it.
@@ -258,11 +258,34 @@ def test_compose_filter_command_is_one_derender_accepts(docker_env):
     assert route["route"]["hash_policy"] == [{"header": {"header_name": KEY_HEADER}}]
     producer = _cluster(envoy_routes, "producer")
     assert producer["lb_policy"] == "RING_HASH" and producer["health_checks"]
-    # The health check asks the gRPC health service on the ext_proc port.
-    assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.extproc.health", f"127.0.0.1:{args.port}"]
+    # The health check asks the gRPC health service on the ext_proc port, where the filter listens.
+    assert filter_["healthcheck"]["test"][1:] == ["python", "-m", "derender.extproc.health", f"{args.host}:{args.port}"]
     envoy = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
     [endpoint] = _cluster(envoy, "derender")["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "filter", "port_value": args.port}
+    assert endpoint["endpoint"]["address"]["socket_address"] == {"address": "derender-extproc", "port_value": args.port}
+
+
+@pytest.mark.parametrize("profile, producer", [("cpu", "sim"), ("gpu", "vllm")])
+def test_compose_ext_proc_port_is_on_a_network_only_envoy_shares(docker_env, profile, producer):
+    """The filter listens on its address in the extproc network's subnet; that network is internal
+    and holds Envoy and the filter alone; Envoy resolves the filter by a name only that network has."""
+    import ipaddress
+
+    config = compose_config(docker_env, profile)
+    services, network = config["services"], config["networks"]["extproc"]
+    assert network["internal"] is True
+    [subnet] = [c["subnet"] for c in network["ipam"]["config"]]
+    args = build_parser().parse_args(services["filter"]["command"])
+    assert ipaddress.ip_network(args.host) == ipaddress.ip_network(subnet)
+    on_it = {name for name, service in services.items() if "extproc" in service.get("networks", {})}
+    assert on_it == {"envoy", "filter"}
+    assert {producer, "responses-store"} <= {name for name, service in services.items()
+                                              if "default" in service.get("networks", {"default": None})}
+    assert services["filter"]["networks"]["extproc"]["aliases"] == ["derender-extproc"]
+    assert all("derender-extproc" not in (n or {}).get("aliases", []) for name, s in services.items()
+               for key, n in s.get("networks", {}).items() if key != "extproc")
+    # The filter reaches the producers (aborts) and the store on the other network.
+    assert "default" in services["filter"]["networks"]
 
 
 def test_compose_sim_command_is_one_derender_accepts(docker_env):
@@ -447,6 +470,21 @@ def test_k8s_routes_the_vllm_pods_by_the_filters_prefix_key(k8s):
     assert policy["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": KEY_HEADER}}
     [filter_] = [obj for (kind, _), obj in k8s.items() if kind == "Deployment" and "--port=9002" in _container_args(obj)]
     assert "--routing=prefix" in _container_args(filter_)
+
+
+def test_k8s_network_policy_admits_only_the_gateways_envoy_to_the_ext_proc_port(k8s):
+    policy = k8s[("NetworkPolicy", "derender-filter")]["spec"]
+    deployment = k8s[("Deployment", "derender-filter")]
+    assert policy["podSelector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert policy["policyTypes"] == ["Ingress"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    grpc_rules = [r for r in policy["ingress"] if any(p["port"] in ("grpc", ports["grpc"]) for p in r["ports"])]
+    assert len(grpc_rules) == 1 and grpc_rules[0]["from"]  # never open to every peer
+    [peer] = grpc_rules[0]["from"]
+    assert peer["podSelector"]["matchLabels"] == {"gateway.envoyproxy.io/owning-gateway-name": "openai"}
+    assert k8s[("Gateway", "openai")]
+    assert all(p["port"] != "grpc" for r in policy["ingress"] if not r.get("from") for p in r["ports"])
 
 
 def test_k8s_limits_client_connections_as_every_envoy_layout_does(k8s):

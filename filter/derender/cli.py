@@ -179,7 +179,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .extproc import workers
     from .ops import metrics
 
-    metrics.configure(args.metrics_host or args.host, args.metrics_port)
+    from .extproc.listen import listen_hosts
+
+    try:
+        hosts = listen_hosts(args.host)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"derender: {exc}") from None
+    metrics.configure(args.metrics_host or hosts[0], args.metrics_port)
     from .ops import auth
 
     if auth.configure(args.api_key):
@@ -299,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the ext_proc gRPC server")
     add_model_arguments(serve)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="the ext_proc port's addresses, comma-separated; a network (e.g. 172.30.90.0/24) stands "
+                       "for this machine's address in it (default 127.0.0.1: only Envoy on this host reaches it)")
     serve.add_argument("--port", type=int, default=9002, help="gRPC port Envoy connects to")
     serve.add_argument("--producer", default="http://127.0.0.1:8100",
                        help="producer base URL, or several comma-separated (one Envoy cluster's replicas): where "

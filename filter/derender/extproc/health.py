@@ -55,9 +55,18 @@ class Http2Health:
         return {"/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest.FromString, self.check)}
 
 
-def check(address: str, service: str = "", timeout: float = 2.0) -> bool:
-    """True if the gRPC server at ``address`` answers ``SERVING`` for ``service``."""
-    with grpc.insecure_channel(address) as channel:
+def check(address: str, service: str = "", timeout: float = 2.0, ca: str | None = None, cert: str | None = None,
+          key: str | None = None, server_name: str | None = None) -> bool:
+    """True if the gRPC server at ``address`` answers ``SERVING`` for ``service``; with ``ca``, over TLS
+    (and with ``cert`` / ``key``, a client certificate, for a filter run with ``--tls-client-ca``)."""
+    if ca:
+        read = lambda path: open(path, "rb").read()  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(ca), read(key) if key else None, read(cert) if cert else None)
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(address, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -68,11 +77,22 @@ def check(address: str, service: str = "", timeout: float = 2.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(args) <= 2:
-        print("usage: python -m derender.extproc.health HOST:PORT [SERVICE]", file=sys.stderr)
-        return 2
-    ok = check(*args)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m derender.extproc.health",
+                                     description="ask a filter's gRPC health service (exit 0 when it is serving)")
+    parser.add_argument("address", metavar="HOST:PORT",
+                        help="HOST as serve --host takes it: an address, or a network for this machine's address in it")
+    parser.add_argument("service", nargs="?", default="")
+    parser.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA that signed the filter's certificate")
+    parser.add_argument("--tls-cert", default=None, metavar="FILE", help="TLS: a client certificate (mTLS)")
+    parser.add_argument("--tls-key", default=None, metavar="FILE", help="TLS: its private key")
+    parser.add_argument("--server-name", default=None, help="TLS: the name the filter's certificate carries")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from .listen import address
+
+    ok = check(address(args.address), args.service, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+               server_name=args.server_name)
     print("SERVING" if ok else "NOT SERVING")
     return 0 if ok else 1
 

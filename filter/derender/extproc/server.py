@@ -37,6 +37,7 @@ from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
 from . import http2
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
+from .listen import listen_hosts
 
 log = logging.getLogger("derender.extproc")
 
@@ -325,7 +326,8 @@ async def serve(
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
     processor = kind(router)
-    address = f"{host}:{port}"
+    hosts = listen_hosts(host)
+    address = ", ".join(f"{h}:{port}" for h in hosts)
     if TRANSPORT == "http2":
         health = Http2Health(("", EXT_PROC_SERVICE))
         methods = {PROCESS: (pb.ProcessingRequest.FromString, processor.serve_stream), **health.methods()}
@@ -333,16 +335,18 @@ async def serve(
         tls = None
         if listener.tls_cert:
             tls = http2.tls_context(listener.tls_cert, listener.tls_key, listener.tls_client_ca)
-        await server.start(host, port, reuse_port=reuse_port, ssl=tls)
+        await server.start(hosts, port, reuse_port=reuse_port, ssl=tls)
     else:
         server = grpc.aio.server(options=[*listener.grpc_options(), ("grpc.so_reuseport", 1 if reuse_port else 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health = await add_health(server)
         credentials = listener.grpc_credentials()
-        bound = (server.add_secure_port(address, credentials) if credentials is not None
-                 else server.add_insecure_port(address))
-        if bound == 0:
-            raise OSError(f"cannot listen on {address}")
+        for one in hosts:
+            where = f"[{one}]:{port}" if ":" in one else f"{one}:{port}"
+            bound = (server.add_secure_port(where, credentials) if credentials is not None
+                     else server.add_insecure_port(where))
+            if bound == 0:
+                raise OSError(f"cannot listen on {where}")
         await server.start()
     metrics.start_server()
     watch = loopwatch.start()

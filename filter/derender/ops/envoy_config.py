@@ -19,7 +19,24 @@ DEFAULTS = {
     "MESSAGE_TIMEOUT": "10s",
     "BODY_LIMIT_BYTES": str(16 << 20),
     "MAX_CONNECTIONS": "10000",  # client connections at once (Envoy's global downstream limit)
+    "FILTER_TRANSPORT_SOCKET": "",  # cleartext h2c to the filter; or tls_transport_socket(...)
 }
+
+
+def tls_transport_socket(ca: str, cert: str | None = None, key: str | None = None, sni: str = "localhost") -> str:
+    """The derender cluster's ``transport_socket`` for a filter served with ``--tls-cert`` (one line
+    of YAML): TLS with ALPN h2, the filter's certificate checked against ``ca`` and ``sni``; with
+    ``cert`` and ``key``, Envoy's client certificate for a filter that asks one (``--tls-client-ca``)."""
+    import json
+
+    common: dict = {"alpn_protocols": ["h2"],
+                    "validation_context": {"trusted_ca": {"filename": ca},
+                                           "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": sni}}]}}
+    if cert:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
+    context = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+               "sni": sni, "common_tls_context": common}
+    return "transport_socket: " + json.dumps({"name": "envoy.transport_sockets.tls", "typed_config": context})
 
 
 def envoy_dir() -> Path:

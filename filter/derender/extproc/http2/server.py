@@ -55,10 +55,12 @@ class Server:
         else:
             self._logged[name] = (last, since + 1)
 
-    async def start(self, host: str, port: int, reuse_port: bool = False, ssl: ssl_.SSLContext | None = None) -> None:
+    async def start(self, host: str | list[str], port: int, reuse_port: bool = False,
+                    ssl: ssl_.SSLContext | None = None) -> None:
         loop = asyncio.get_running_loop()
         extra = {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
-        self._server = await loop.create_server(lambda: Connection(self), host.strip("[]") or None, port,
+        hosts = [h.strip("[]") for h in ([host] if isinstance(host, str) else host)]
+        self._server = await loop.create_server(lambda: Connection(self), [h for h in hosts if h] or None, port,
                                                 reuse_port=reuse_port, backlog=1024, **extra)
         self._sweep = loop.create_task(self._sweep_timers())
 
