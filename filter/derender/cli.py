@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
+from .extproc import listen
 from .ops import assets
 
 
@@ -69,27 +70,6 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("sha256", "sha256_cbor"),
                         help="the producers' --prefix-caching-hash-algo, for the prefix key (default sha256; "
                         "vLLM's xxhash ones seed every process at random: no key would be the same twice)")
-
-
-def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ext_proc port's bounds and TLS (docs/operations.md, "The ext_proc port")."""
-    parser.add_argument("--max-concurrent-streams", type=int, default=100,
-                        help="ext_proc streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; past it "
-                        "REFUSED_STREAM; Envoy's ext_proc clusters in envoy/ open at most 64; default 100)")
-    parser.add_argument("--max-message-bytes", type=int, default=None,
-                        help="largest ext_proc message taken (RESOURCE_EXHAUSTED past it, before any of it is kept; "
-                        "default: Envoy's body buffer, the larger of 16 MiB and --max-producer-body-bytes, plus 1 MiB)")
-    parser.add_argument("--ext-proc-idle-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="an ext_proc connection with no stream this long is closed with GOAWAY (default 300)")
-    parser.add_argument("--max-ext-proc-connections", type=int, default=2048,
-                        help="ext_proc connections a worker holds at once; past it a new one is closed (default 2048)")
-    parser.add_argument("--tls-cert", default=os.environ.get("DERENDER_TLS_CERT") or None, metavar="FILE",
-                        help="serve the ext_proc port over TLS with this certificate (PEM; with --tls-key; "
-                        "default $DERENDER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=os.environ.get("DERENDER_TLS_KEY") or None, metavar="FILE",
-                        help="the certificate's private key (PEM; default $DERENDER_TLS_KEY)")
-    parser.add_argument("--tls-client-ca", default=os.environ.get("DERENDER_TLS_CLIENT_CA") or None, metavar="FILE",
-                        help="require a client certificate signed by this CA (mTLS; PEM; default $DERENDER_TLS_CLIENT_CA)")
 
 
 def model_spec(args: argparse.Namespace):
@@ -179,10 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .extproc import workers
     from .ops import metrics
 
-    from .extproc.listen import listen_hosts
-
     try:
-        hosts = listen_hosts(args.host)
+        hosts = listen.listen_hosts(args.host)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"derender: {exc}") from None
     metrics.configure(args.metrics_host or hosts[0], args.metrics_port)
@@ -215,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     routing = RoutingSpec(args.routing, args.prefix_block_size, args.prefix_caching_hash_algo,
                           key_blocks=args.prefix_key_blocks)
-    serve = workers.filter_server(model, args.producer, args.host, args.port, routing, listener(args))
+    serve = workers.filter_server(model, args.producer, args.host, args.port, routing, listen.listener(args))
     code = workers.run(serve, args.port, args.workers)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
@@ -228,36 +206,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def listener(args: argparse.Namespace):
-    """The ext_proc port's bounds and TLS, from ``serve``'s flags."""
-    from .extproc.http2 import Limits
-    from .extproc.server import Listener
-
-    defaults = Limits()
-    body = max(16 << 20, getattr(args, "max_producer_body_bytes", 16 << 20))
-    message = args.max_message_bytes or body + (1 << 20)  # Envoy's body buffer, plus the message's framing
-    buffered = max(defaults.max_buffered, message + 5)
-    limits = Limits(max_concurrent_streams=args.max_concurrent_streams, max_message=message, max_buffered=buffered,
-                    max_buffered_total=max(defaults.max_buffered_total, buffered),
-                    idle_timeout=args.ext_proc_idle_timeout, max_connections=args.max_ext_proc_connections)
-    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca)
-
-
-def _check_listener_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.command != "serve":
-        return
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(args, flag)
-        if path and not os.path.isfile(path):
-            parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
-    if args.max_concurrent_streams < 1 or args.max_ext_proc_connections < 1:
-        parser.error("--max-concurrent-streams and --max-ext-proc-connections must be at least 1")
 
 
 def _import_parser_plugins(args: argparse.Namespace) -> None:
@@ -391,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'grpcio' runs grpc.aio, which hands every message between three threads (default: $DERENDER_TRANSPORT, "
         "else http2)",
     )
-    add_listener_arguments(serve)
+    listen.add_arguments(serve)
     serve.add_argument("--tool-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM tool parser")
     serve.add_argument(
         "--reasoning-parser-plugin", default=None, metavar="FILE", help="a Python file registering a vLLM reasoning parser"
@@ -441,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_config_flags(parser, args)
-    _check_listener_flags(parser, args)
+    if args.command == "serve":
+        listen.check_arguments(parser, args)
     _logging(args)
     return args.func(args)
 

@@ -1,10 +1,55 @@
-"""Where the ext_proc port listens: ``--host``'s addresses, a network standing for this machine's own
-address in it (a container's address on one of its networks, as the compose stack binds it)."""
+"""The ext_proc port's listener as ``serve``'s flags give it: where it listens (``--host``'s
+addresses, a network standing for this machine's own address in it, as the compose stack binds
+it), its bounds (``http2.Limits``) and TLS. Light to import: the command line reads it first."""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import os
 import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _limits():
+    from .http2 import Limits
+
+    return Limits()
+
+
+@dataclass(frozen=True)
+class Listener:
+    """The ext_proc port's bounds and TLS: ``limits`` (``http2.Limits``; grpc.aio gets the ones it has),
+    and with ``tls_cert`` / ``tls_key`` TLS, with ``tls_client_ca`` client certificates required (mTLS)."""
+
+    limits: Any = field(default_factory=_limits)  # an http2.Limits
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        limits = self.limits
+        return [
+            ("grpc.max_receive_message_length", limits.max_message),
+            ("grpc.max_send_message_length", limits.max_message),
+            ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+            ("grpc.max_metadata_size", limits.max_header_list),
+            ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
+            ("grpc.keepalive_time_ms", int(limits.keepalive_time * 1000)),
+            ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout * 1000)),
+        ]
+
+    def grpc_credentials(self):
+        """grpc.aio's server credentials for the TLS files, or None."""
+        if not self.tls_cert:
+            return None
+        import grpc
+
+        read = lambda path: open(path, "rb").read()  # noqa: E731
+        ca = read(self.tls_client_ca) if self.tls_client_ca else None
+        return grpc.ssl_server_credentials([(read(self.tls_key), read(self.tls_cert))], root_certificates=ca,
+                                           require_client_auth=ca is not None)
 
 
 def listen_hosts(spec: str) -> list[str]:
@@ -32,3 +77,52 @@ def address(spec: str) -> str:
     host, _, port = spec.rpartition(":")
     first = listen_hosts(host)[0]
     return f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ext_proc port's bounds and TLS (docs/operations.md, "The ext_proc port")."""
+    parser.add_argument("--max-concurrent-streams", type=int, default=100,
+                        help="ext_proc streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; past it "
+                        "REFUSED_STREAM; Envoy's ext_proc clusters in envoy/ open at most 64; default 100)")
+    parser.add_argument("--max-message-bytes", type=int, default=None,
+                        help="largest ext_proc message taken (RESOURCE_EXHAUSTED past it, before any of it is kept; "
+                        "default: Envoy's body buffer, the larger of 16 MiB and --max-producer-body-bytes, plus 1 MiB)")
+    parser.add_argument("--ext-proc-idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="an ext_proc connection with no stream this long is closed with GOAWAY (default 300)")
+    parser.add_argument("--max-ext-proc-connections", type=int, default=2048,
+                        help="ext_proc connections a worker holds at once; past it a new one is closed (default 2048)")
+    parser.add_argument("--tls-cert", default=os.environ.get("DERENDER_TLS_CERT") or None, metavar="FILE",
+                        help="serve the ext_proc port over TLS with this certificate (PEM; with --tls-key; "
+                        "default $DERENDER_TLS_CERT)")
+    parser.add_argument("--tls-key", default=os.environ.get("DERENDER_TLS_KEY") or None, metavar="FILE",
+                        help="the certificate's private key (PEM; default $DERENDER_TLS_KEY)")
+    parser.add_argument("--tls-client-ca", default=os.environ.get("DERENDER_TLS_CLIENT_CA") or None, metavar="FILE",
+                        help="require a client certificate signed by this CA (mTLS; PEM; default $DERENDER_TLS_CLIENT_CA)")
+
+
+def listener(args: argparse.Namespace):
+    """The ext_proc port's bounds and TLS, from ``serve``'s flags."""
+    from .http2 import Limits
+
+    defaults = Limits()
+    body = max(16 << 20, getattr(args, "max_producer_body_bytes", 16 << 20))
+    message = args.max_message_bytes or body + (1 << 20)  # Envoy's body buffer, plus the message's framing
+    buffered = max(defaults.max_buffered, message + 5)
+    limits = Limits(max_concurrent_streams=args.max_concurrent_streams, max_message=message, max_buffered=buffered,
+                    max_buffered_total=max(defaults.max_buffered_total, buffered),
+                    idle_timeout=args.ext_proc_idle_timeout, max_connections=args.max_ext_proc_connections)
+    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``serve``'s listener flags, checked before anything loads."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
+    for flag in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
+    if args.max_concurrent_streams < 1 or args.max_ext_proc_connections < 1:
+        parser.error("--max-concurrent-streams and --max-ext-proc-connections must be at least 1")

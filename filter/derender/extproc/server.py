@@ -14,7 +14,6 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -37,7 +36,7 @@ from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
 from . import http2
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
-from .listen import listen_hosts
+from .listen import Listener, listen_hosts
 
 log = logging.getLogger("derender.extproc")
 
@@ -273,37 +272,6 @@ class ObservedProcessor(ExternalProcessor):
             await super().serve_stream(observed_read, observed_write)
         finally:
             observer.close()
-
-
-@dataclass(frozen=True)
-class Listener:
-    """The ext_proc port's bounds and TLS: ``limits`` (``http2.Limits``; grpc.aio gets the ones it has),
-    and with ``tls_cert`` / ``tls_key`` TLS, with ``tls_client_ca`` client certificates required (mTLS)."""
-
-    limits: http2.Limits = field(default_factory=http2.Limits)
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        limits = self.limits
-        return [
-            ("grpc.max_receive_message_length", limits.max_message),
-            ("grpc.max_send_message_length", limits.max_message),
-            ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
-            ("grpc.max_metadata_size", limits.max_header_list),
-            ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
-            ("grpc.keepalive_time_ms", int(limits.keepalive_time * 1000)),
-            ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout * 1000)),
-        ]
-
-    def grpc_credentials(self) -> grpc.ServerCredentials | None:
-        if not self.tls_cert:
-            return None
-        read = lambda path: open(path, "rb").read()  # noqa: E731
-        ca = read(self.tls_client_ca) if self.tls_client_ca else None
-        return grpc.ssl_server_credentials([(read(self.tls_key), read(self.tls_cert))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
 
 
 async def serve(

@@ -38,7 +38,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def filter_server(model: Any, producer: str, host: str, port: int, routing: Any = None, listener: Any = None) -> Serve:
     """The ext_proc filter for ``model`` as a ``Serve`` (``routing``: a ``RoutingSpec``; ``listener``: the
-    port's bounds and TLS, a ``server.Listener``)."""
+    port's bounds and TLS, a ``listen.Listener``)."""
     from .server import serve
 
     return lambda reuse_port: serve(model, producer, host, port, reuse_port=reuse_port, routing=routing,

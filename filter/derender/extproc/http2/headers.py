@@ -1,4 +1,5 @@
-"""Header blocks: HPACK (the ``hpack`` package) and RFC 9113's rules for a request's fields.
+"""Header blocks: HEADERS and CONTINUATION frames gathered within their bounds, HPACK (the ``hpack``
+package), and RFC 9113's rules for a request's fields.
 
 A block is always decoded whole, so that both ends' HPACK tables stay the same; only then is it
 judged. A broken encoding is a connection error (COMPRESSION_ERROR); a malformed request (RFC 9113
@@ -15,7 +16,11 @@ from dataclasses import dataclass
 from hpack import Decoder, Encoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
-from .wire import CONTINUATION, END_HEADERS, ENHANCE_YOUR_CALM, COMPRESSION_ERROR, HEADERS, ConnectionError_, frame
+from .wire import (
+    COMPRESSION_ERROR, CONTINUATION, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, HEADERS,
+    PRIORITY_FLAG, PROTOCOL_ERROR, RESOURCE_EXHAUSTED, STREAM_CLOSED, UNIMPLEMENTED, ConnectionError_, StreamError,
+    frame,
+)
 
 # RFC 9113 section 8.2.1: no controls, space, uppercase, DEL, non-ASCII or colon in a name; no NUL,
 # CR or LF in a value, nor whitespace at either end.
@@ -129,3 +134,110 @@ def trailers(fields: list[tuple[bytes, bytes]]) -> None:
             raise Malformed("pseudo-header field in trailers")
         if name in CONNECTION_SPECIFIC:
             raise Malformed(f"connection-specific field {name.decode()}")
+
+
+class HeaderBlock:
+    __slots__ = ("stream_id", "flags", "data", "frames", "dependency")
+
+    def __init__(self, stream_id: int, flags: int, data: bytes, dependency: int | None) -> None:
+        self.stream_id = stream_id
+        self.flags = flags
+        self.data = bytearray(data)
+        self.frames = 1
+        self.dependency = dependency
+
+
+class HeaderSide:
+    """HEADERS and CONTINUATION frames of a ``Connection``: a block gathered within its bounds, decoded,
+    then judged: trailers end a stream, a new stream is opened, refused or answered at once."""
+
+    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0 or stream_id % 2 == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
+        body = self._unpad(flags, payload)
+        dependency = None
+        if flags & PRIORITY_FLAG:
+            if len(body) < 5:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "short HEADERS priority", "frame_size")
+            dependency = int.from_bytes(body[:4], "big") & 0x7FFFFFFF
+            body = body[5:]
+        if body:
+            self.empty_run = 0
+        elif not flags & END_STREAM:
+            self._empty()
+        if len(body) > self.limits.max_header_block:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large", "continuation_flood")
+        self.header_block = HeaderBlock(stream_id, flags, body, dependency)
+        if flags & END_HEADERS:
+            self._header_block_done()
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        block = self.header_block
+        if block is None or block.stream_id != stream_id:
+            raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        block.frames += 1
+        block.data += payload
+        if payload:
+            self.empty_run = 0
+        elif not flags & END_HEADERS:
+            self._empty()
+        if block.frames > self.limits.max_continuations + 1 or len(block.data) > self.limits.max_header_block:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large", "continuation_flood")
+        if flags & END_HEADERS:
+            self._header_block_done()
+
+    def _header_block_done(self) -> None:
+        block, self.header_block = self.header_block, None
+        stream_id, flags = block.stream_id, block.flags
+        try:
+            decoded = self.codec.decode(bytes(block.data))
+        except TooLarge as exc:
+            too_large = str(exc)
+            decoded = None
+        else:
+            too_large = ""
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers
+            if stream.remote_closed:
+                raise StreamError(stream_id, STREAM_CLOSED, "HEADERS after the end of the stream")
+            if not flags & END_STREAM:
+                raise StreamError(stream_id, PROTOCOL_ERROR, "HEADERS without END_STREAM on an open stream")
+            if too_large:
+                raise StreamError(stream_id, PROTOCOL_ERROR, too_large)
+            try:
+                trailers(decoded)
+            except Malformed as exc:
+                raise StreamError(stream_id, PROTOCOL_ERROR, str(exc)) from None
+            self._end_of_input(stream)
+            return
+        if stream_id <= self.last_stream:
+            self._closed_stream(stream_id, HEADERS)
+            return
+        self.last_stream = stream_id
+        self.streams_opened += 1
+        if block.dependency == stream_id:
+            raise StreamError(stream_id, PROTOCOL_ERROR, "a stream that depends on itself")
+        if too_large:
+            self.server.defended("header_list_size")
+            self._made_to_reset()
+            self._trailers_only(stream_id, RESOURCE_EXHAUSTED, too_large, flags & END_STREAM)
+            return
+        try:
+            asked = request(decoded)
+        except Malformed as exc:
+            raise StreamError(stream_id, PROTOCOL_ERROR, str(exc)) from None
+        if self.server.draining or self.goaway_phase == 2:  # after the last stream id was sent
+            self._refuse(stream_id)
+            return
+        limit = self.limits.max_concurrent_streams
+        if len(self.streams) >= limit or self.running >= limit:
+            self.server.defended("max_streams")
+            self._made_to_reset()
+            self._refuse(stream_id)
+            return
+        method = self.server.methods.get(asked.path)
+        if method is None or asked.encoding not in (None, b"identity"):
+            why = f"unknown method {asked.path[:200]}" if method is None else "compressed"
+            self._trailers_only(stream_id, UNIMPLEMENTED, why, flags & END_STREAM)
+            return
+        self._open(stream_id, method, asked.content_length, flags & END_STREAM)

@@ -13,6 +13,7 @@ from typing import Awaitable, Callable
 
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
+from .control import BY_US, ENDED
 from .wire import (
     CANCELLED, DATA, END_STREAM, INTERNAL_ERROR, NO_ERROR, OK, PROTOCOL_ERROR, RESOURCE_EXHAUSTED, RESPONSE_HEADERS,
     RST_STREAM, UNIMPLEMENTED, UNKNOWN, WINDOW_UPDATE, Status, StreamError, frame, percent,
@@ -24,7 +25,6 @@ Handler = Callable[[Callable[[], Awaitable[object]], Callable[[object], Awaitabl
 # path -> (the request type's ``FromString``, the handler)
 Methods = dict[str, tuple[Callable[[bytes], object], Handler]]
 
-BY_US, ENDED = 1, 3  # as connection.BY_US / ENDED
 # What a message costs the budgets besides its bytes: its 5-byte prefix, and the bytes object and
 # queue slot that hold it (a flood of empty messages is not free).
 MESSAGE_OVERHEAD = 64
