@@ -56,10 +56,13 @@ def thread_cpu(pid: int) -> dict[int, float]:
 
 
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
-              envoy_threads: int | None = None) -> dict:
+              envoy_threads: int | None = None, frame_layer: str | None = None) -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
+    if frame_layer == "h2":  # the ext_proc connections on python-hyper's h2 (bench/h2lib)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH / "h2lib"), env.get("PYTHONPATH")]))
+        env["DERENDER_FRAME_LAYER"] = "h2"
     started: list[procs.Proc] = []
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1"]
@@ -102,6 +105,9 @@ def main() -> int:
                         help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
     parser.add_argument("--before-envoy-concurrency", type=int, default=None,
                         help="Envoy's threads for the before tree's rounds only (with --before . : Envoy's threads A/B)")
+    parser.add_argument("--before-frame-layer", choices=["own", "h2"], default="own",
+                        help="the before tree's ext_proc frame layer: the filter's own (default) or python-hyper's h2 "
+                        "(bench/h2lib; with --before . : the frame layers A/B)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -110,7 +116,8 @@ def main() -> int:
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     for i in range(args.rounds):
         for name, tree in trees.items():
-            result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None)
+            result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None,
+                               args.before_frame_layer if name == "before" else None)
             rounds[name].append(result)
             print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k == "msgs" else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
@@ -123,7 +130,8 @@ def main() -> int:
         f"--rounds {args.rounds} --batches {args.batches}{' --api ' + args.api if args.api != 'chat' else ''}"
         f"{' --lockstep' if args.lockstep else ''}"
         f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != procs.ENVOY_CONCURRENCY else ''}"
-        f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}`: "
+        f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}"
+        f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
@@ -134,7 +142,8 @@ def main() -> int:
     ]
     for name, r in median.items():
         every = " / ".join(f"{x['worker']:.0f}" for x in rounds[name])
-        lines.append(f"| {name} ({commit_of(trees[name])}) | {r['worker']:.0f} | {r['main']:.0f} | {r['other']:.0f} | "
+        layer = ", h2 frame layer" if name == "before" and args.before_frame_layer == "h2" else ""
+        lines.append(f"| {name} ({commit_of(trees[name])}{layer}) | {r['worker']:.0f} | {r['main']:.0f} | {r['other']:.0f} | "
                      f"{r['envoy']:.0f} | {r['worker'] + r['envoy']:.0f} | {r['msgs']:.2f} | {r['failed']} | {every} |")
     b, a = median["before"], median["after"]
     lines += ["", f"After / before: worker {a['worker'] / b['worker']:.2f}x, worker + Envoy "
