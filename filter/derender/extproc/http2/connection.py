@@ -142,6 +142,9 @@ class Connection(HeaderSide, ControlSide, StreamSide, asyncio.Protocol):
         self.server.defended(exc.defence, f"HTTP/2 connection closed: {exc}")
         self.goaway(exc.code)
         self._close()
+        for stream in list(self.streams.values()):  # no stream of it goes on
+            self._reset(stream)
+        self.streams.clear()
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport) -> None:
