@@ -158,6 +158,11 @@ def test_every_layout_talks_to_the_filter_as_the_readme_says(path):
     assert "http2_protocol_options" in options["explicit_http_config"]
     [check] = cluster["health_checks"]
     assert check["grpc_health_check"] == {"service_name": EXT_PROC_SERVICE}
+    # The filter's stream limit is sized from these: Envoy never opens more on one connection.
+    from derender.extproc.http2 import Limits
+
+    streams = options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"]
+    assert 0 < streams <= Limits().max_concurrent_streams
 
 
 def test_replicas_layout_balances_over_several_filters():
@@ -431,7 +436,9 @@ def test_envoy_extension_policy_sends_the_route_through_the_filter_service(k8s):
     assert ext_proc["processingMode"] == {"allowModeOverride": True, "request": {"body": "Buffered"}, "response": {"body": "Streamed"}}
     active = ext_proc["backendSettings"]["healthCheck"]["active"]
     assert active["type"] == "GRPC" and active["grpc"]["service"] == EXT_PROC_SERVICE
-    assert ext_proc["backendSettings"]["http2"]["maxConcurrentStreams"] > 0
+    from derender.extproc.http2 import Limits
+
+    assert 0 < ext_proc["backendSettings"]["http2"]["maxConcurrentStreams"] <= Limits().max_concurrent_streams
 
 
 def test_filter_pods_are_probed_by_grpc_health_on_the_ext_proc_port(k8s):

@@ -18,7 +18,8 @@ import h2.settings
 from grpc.aio import EOF
 
 from derender.extproc.http2 import wire
-from derender.extproc.http2.wire import Status
+from derender.extproc.http2.connection import Backpressure
+from derender.extproc.http2.streams import serve_handler
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
@@ -40,7 +41,7 @@ class Stream:
         self.drained: asyncio.Future | None = None
 
 
-class H2Connection(asyncio.Protocol):
+class H2Connection(Backpressure):
     def __init__(self, server) -> None:
         self.server = server
         self.limits = server.limits
@@ -82,18 +83,6 @@ class H2Connection(asyncio.Protocol):
         for stream in list(self.streams.values()):
             self._cancel(stream)
         self.streams.clear()
-
-    def pause_writing(self) -> None:
-        if self.paused is None:
-            self.paused = self.loop.create_future()
-            self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        paused, self.paused = self.paused, None
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
-        if paused is not None and not paused.done():
-            paused.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -208,24 +197,13 @@ class H2Connection(asyncio.Protocol):
             if self.paused is not None:
                 await asyncio.shield(self.paused)
 
-        status, why = wire.OK, ""
-        try:
-            await handler(read, write)
-        except asyncio.CancelledError:
-            if stream.ended:
-                return
-            status, why = wire.CANCELLED, "cancelled"
-            raise
-        except Status as exc:
-            status, why = exc.code, str(exc)
-        except Exception as exc:  # noqa: BLE001
-            status, why = wire.UNKNOWN, f"{type(exc).__name__}: {exc}"
-        finally:
-            if not stream.ended:
-                stream.ended = True
-                stream.trailers = (status, why)
-                if not stream.pending:
-                    self._write_trailers(stream)
+        await serve_handler(handler, read, write, stream, self._finish)
+
+    def _finish(self, stream: Stream, status: int, why: str) -> None:
+        stream.ended = True
+        stream.trailers = (status, why)
+        if not stream.pending:
+            self._write_trailers(stream)
 
     # -- frames out ----------------------------------------------------------------------------
     def _send(self, stream: Stream, message: bytes) -> None:

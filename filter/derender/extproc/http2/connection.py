@@ -42,7 +42,28 @@ log = logging.getLogger("derender.http2")
 LINGER = 2.0  # seconds a closing connection's input is still read and dropped
 
 
-class Connection(HeaderSide, ControlSide, StreamSide, asyncio.Protocol):
+class Backpressure(asyncio.Protocol):
+    """A peer that reads slower than the server writes is not read either until it catches up
+    (CVE-2019-9517); writers wait on ``paused`` meanwhile."""
+
+    paused: asyncio.Future | None
+
+    def pause_writing(self) -> None:
+        if self.paused is None:
+            self.paused = self.loop.create_future()
+            self.server.defended("read_paused")
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        paused, self.paused = self.paused, None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        if paused is not None and not paused.done():
+            paused.set_result(None)
+
+
+class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
     def __init__(self, server: Server) -> None:
         self.server = server
         limits = self.limits = server.limits
@@ -176,21 +197,6 @@ class Connection(HeaderSide, ControlSide, StreamSide, asyncio.Protocol):
         self.streams.clear()
         if self.paused is not None and not self.paused.done():
             self.paused.set_result(None)
-
-    def pause_writing(self) -> None:
-        """The peer reads slower than the filter writes: stop reading it until it catches up."""
-        if self.paused is None:
-            self.paused = self.loop.create_future()
-            self.server.defended("read_paused")
-            if self.transport is not None:
-                self.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        paused, self.paused = self.paused, None
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
-        if paused is not None and not paused.done():
-            paused.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         if self.ending:

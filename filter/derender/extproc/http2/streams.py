@@ -57,6 +57,27 @@ class Stream:
         self.received = 0
 
 
+async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[object, int, str], None]) -> None:
+    """Run a stream's handler: however it ends (it returns, raises ``Status`` or anything else, or is
+    cancelled other than by a reset), ``finish(stream, status, message)`` gives the stream its gRPC
+    status, as gRPC's servers do; a stream already ended (reset) gets nothing more."""
+    status, why = OK, ""
+    try:
+        await handler(read, write)
+    except asyncio.CancelledError:
+        if stream.ended:  # reset: nothing more to send
+            return
+        status, why = CANCELLED, "cancelled"
+        raise
+    except Status as exc:
+        status, why = exc.code, str(exc)
+    except Exception as exc:  # noqa: BLE001 - the handler's failure is the stream's status
+        status, why = UNKNOWN, f"{type(exc).__name__}: {exc}"
+    finally:
+        if not stream.ended:
+            finish(stream, status, why)
+
+
 class StreamSide:
     """Streams, messages and replies of a ``Connection`` (whose attributes these methods use)."""
 
@@ -238,21 +259,7 @@ class StreamSide:
             if self.paused is not None:
                 await asyncio.shield(self.paused)
 
-        status, why = OK, ""
-        try:
-            await handler(read, write)
-        except asyncio.CancelledError:
-            if stream.ended:  # reset: nothing more to send
-                return
-            status, why = CANCELLED, "cancelled"
-            raise
-        except Status as exc:
-            status, why = exc.code, str(exc)
-        except Exception as exc:  # noqa: BLE001 - the handler's failure is the stream's status
-            status, why = UNKNOWN, f"{type(exc).__name__}: {exc}"
-        finally:
-            if not stream.ended:
-                self._finish(stream, status, why)
+        await serve_handler(handler, read, write, stream, self._finish)
 
     # -- frames out ----------------------------------------------------------------------------
     def _send(self, stream: Stream, message: bytes) -> None:
