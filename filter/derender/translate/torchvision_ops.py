@@ -7,8 +7,9 @@ and ``import torchvision`` then fails: it registers fake kernels for
 transformers imports torchvision as soon as it is installed (its image utilities),
 so every process that imports vLLM would fail, not only those serving a VLM.
 
-``install`` puts a finder first on ``sys.meta_path`` that acts once, when
-torchvision is first imported: if the ops library loads, nothing changes;
+``install`` puts a finder first on ``sys.meta_path`` that acts once in a process
+(installing it again, or asking again, changes nothing), when torchvision is first
+looked for: if the ops library loads, nothing changes;
 otherwise the two operators' schemas are declared (no kernel) and the import
 completes, with torchvision's transforms (plain torch, what image processors use)
 working and its detection ops failing loudly if ever called. Set-up runs it in
@@ -30,10 +31,14 @@ SCHEMAS = (
 )
 _library: Any = None  # torch.library.Library("torchvision", "DEF"), alive for the process
 declared = False  # whether the schemas had to be declared
+prepared = False  # whether _prepare ran: it runs once in a process, whoever asks again
 
 
 def _prepare() -> None:
-    global _library, declared
+    global _library, declared, prepared
+    if prepared:
+        return
+    prepared = True
     spec = importlib.machinery.PathFinder.find_spec("torchvision")
     if spec is None or not spec.origin:
         return
@@ -62,8 +67,10 @@ _finder = _Finder()
 
 
 def install() -> None:
-    """Prepare torchvision's first import in this process (a no-op once it is imported)."""
-    if "torchvision" not in sys.modules and _finder not in sys.meta_path:
+    """Prepare torchvision's first import in this process (a no-op once it is imported, or once the
+    finder has acted: a ``find_spec("torchvision")`` that did not import it, as transformers asks
+    whether torchvision is there, must not make it act twice)."""
+    if "torchvision" not in sys.modules and not prepared and _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 
 
