@@ -116,7 +116,8 @@ def callgrind(turns: int, frame_layer: str) -> float:
     for n in (turns, 3 * turns):
         out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
                               __file__, "--turns", str(n), "--frame-layer", frame_layer],
-                             capture_output=True, text=True, check=True, env=os.environ)
+                             capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict layouts every run
         counts.append(int(re.search(r"Collected : (\d+)", out.stderr).group(1)))
     return (counts[1] - counts[0]) / (2 * 2 * turns * STREAMS)  # warm-up and measured passes both ran
 

@@ -19,7 +19,7 @@ from grpc.aio import EOF
 
 from derender.extproc.http2 import wire
 from derender.extproc.http2.connection import Backpressure
-from derender.extproc.http2.streams import serve_handler
+from derender.extproc.http2.streams import serve_handler, writer
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
@@ -187,17 +187,7 @@ class H2Connection(Backpressure):
                 item = await stream.waiter
             return item if item is EOF else stream.parse(item)
 
-        async def write(message) -> None:
-            if stream.ended:
-                raise ConnectionResetError("the ext_proc stream is closed")
-            self._send(stream, message.SerializeToString())
-            if stream.pending:
-                stream.drained = self.loop.create_future()
-                await stream.drained
-            if self.paused is not None:
-                await asyncio.shield(self.paused)
-
-        await serve_handler(handler, read, write, stream, self._finish)
+        await serve_handler(handler, read, writer(self, stream), stream, self._finish)
 
     def _finish(self, stream: Stream, status: int, why: str) -> None:
         stream.ended = True

@@ -57,6 +57,23 @@ class Stream:
         self.received = 0
 
 
+def writer(connection, stream):
+    """A stream's ``write(message)``: the reply goes out as far as the windows allow; while the peer's
+    window holds it back, or the socket's writes are paused, the handler waits."""
+
+    async def write(message) -> None:
+        if stream.ended:
+            raise ConnectionResetError("the ext_proc stream is closed")
+        connection._send(stream, message.SerializeToString())
+        if stream.pending:  # the peer's window holds it back: wait, as far as the peer reads
+            stream.drained = drained = connection.loop.create_future()
+            await drained
+        if connection.paused is not None:
+            await asyncio.shield(connection.paused)
+
+    return write
+
+
 async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[object, int, str], None]) -> None:
     """Run a stream's handler: however it ends (it returns, raises ``Status`` or anything else, or is
     cancelled other than by a reset), ``finish(stream, status, message)`` gives the stream its gRPC
@@ -249,17 +266,7 @@ class StreamSide:
                 item = await stream.waiter
             return item if item is EOF else stream.parse(item)
 
-        async def write(message) -> None:
-            if stream.ended:
-                raise ConnectionResetError("the ext_proc stream is closed")
-            self._send(stream, message.SerializeToString())
-            if stream.pending:  # the peer's window holds it back: wait, as far as the peer reads
-                stream.drained = drained = self.loop.create_future()
-                await drained
-            if self.paused is not None:
-                await asyncio.shield(self.paused)
-
-        await serve_handler(handler, read, write, stream, self._finish)
+        await serve_handler(handler, read, writer(self, stream), stream, self._finish)
 
     # -- frames out ----------------------------------------------------------------------------
     def _send(self, stream: Stream, message: bytes) -> None:
