@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from h2cases import CASES, run  # noqa: E402
-from h2peer import HEALTH, PROCESS, Peer  # noqa: E402
-from stack import start_target  # noqa: E402
+from h2peer import HEALTH, PROCESS, Peer, serving  # noqa: E402
+from stack import PeakRss, start_target  # noqa: E402
 
 from derender.extproc.http2 import wire  # noqa: E402
 from derender.extproc.http2.wire import CONTINUATION, DATA, HEADERS, PING, RST_STREAM, SETTINGS, frame  # noqa: E402
@@ -34,18 +34,6 @@ from derender.ops import assets  # noqa: E402
 
 MiB = 1 << 20
 BEGIN, END = "<!-- suite: begin (bench/http2_suite.py) -->", "<!-- suite: end -->"
-
-
-def health_ok(port: int) -> bool:
-    try:
-        with Peer(port, timeout=3) as peer:
-            peer.handshake(3)
-            sid = peer.stream_id()
-            peer.send(peer.headers(sid, HEALTH), peer.message(sid, b""))
-            seen = peer.frames(3, until=lambda f: f.kind == HEADERS and f.flags & wire.END_STREAM)
-            return bool(seen) and seen[-1].field("grpc-status") == "0"
-    except OSError:
-        return False
 
 
 def server_said(peer: Peer, wait: float = 5.0) -> str:
@@ -58,8 +46,7 @@ def server_said(peer: Peer, wait: float = 5.0) -> str:
 
 
 def flood(port: int, data: bytes, rcvbuf: int | None = None, total: int = 1, wait: float = 5.0) -> str:
-    with Peer(port, rcvbuf=rcvbuf) as peer:
-        peer.handshake()
+    with Peer.connect(port, rcvbuf=rcvbuf) as peer:
         for _ in range(total):
             if not peer.try_send(data):
                 break
@@ -67,8 +54,7 @@ def flood(port: int, data: bytes, rcvbuf: int | None = None, total: int = 1, wai
 
 
 def stream_flood(port: int) -> str:
-    with Peer(port) as peer:
-        peer.handshake()
+    with Peer.connect(port) as peer:
         peer.try_send(b"".join(peer.headers(peer.stream_id(), PROCESS) for _ in range(5000)))
         seen = peer.frames(5, until=lambda f: f.kind == wire.GOAWAY)
         refused = sum(1 for f in seen if f.kind == RST_STREAM)
@@ -76,8 +62,7 @@ def stream_flood(port: int) -> str:
 
 
 def pairs(port: int, second) -> str:
-    with Peer(port) as peer:
-        peer.handshake()
+    with Peer.connect(port) as peer:
         chunk = b""
         for _ in range(2000):
             sid = peer.stream_id()
@@ -89,8 +74,7 @@ def pairs(port: int, second) -> str:
 
 
 def big_messages(port: int, size: int, count: int, send: int) -> str:
-    with Peer(port) as peer:
-        peer.handshake()
+    with Peer.connect(port) as peer:
         sids = [peer.stream_id() for _ in range(count)]
         chunk = bytes(16000)
         peer.send(*(peer.headers(sid, PROCESS) for sid in sids))
@@ -130,8 +114,7 @@ def silent_connections(port: int) -> str:
 
 def mixed_streams(port: int) -> str:
     """A non-UTF-8 header value on one stream beside a health check on another."""
-    with Peer(port) as peer:
-        peer.handshake()
+    with Peer.connect(port) as peer:
         bad, good = peer.stream_id(), peer.stream_id()
         block = peer.block([(":method", "POST"), (":scheme", "http"), (":path", HEALTH), (":authority", "x"),
                             ("content-type", "application/grpc"), ("te", "trailers")]) + b"\x00\x06x-bin1\x02\xff\xfe"
@@ -144,8 +127,7 @@ def mixed_streams(port: int) -> str:
 
 
 def empty_data(port: int) -> str:
-    with Peer(port) as peer:
-        peer.handshake()
+    with Peer.connect(port) as peer:
         peer.try_send(peer.headers(1, PROCESS) + frame(DATA, 0, 1) * 1000)
         return server_said(peer)
 
@@ -177,29 +159,27 @@ ATTACKS = [
 
 
 class Peak:
-    """The server's peak RSS, sampled every 20 ms while an attack runs."""
+    """While an attack runs: the server's peak RSS (``stack.PeakRss``) and a health check on another
+    connection every 0.5 s."""
 
     def __init__(self, target) -> None:
         self.target = target
-        self.before = self.peak = target.rss()
+        self.rss = PeakRss(target.filter.popen.pid)
         self.stop = threading.Event()
         self.health: list[bool] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        last = 0.0
-        while not self.stop.is_set():
-            self.peak = max(self.peak, self.target.rss())
-            if time.monotonic() - last > 0.5:
-                last = time.monotonic()
-                self.health.append(health_ok(self.target.port))
-            time.sleep(0.02)
+        while True:
+            self.health.append(serving(self.target.port))
+            if self.stop.wait(0.5):
+                return
 
     def done(self) -> tuple[float, bool]:
         self.stop.set()
         self.thread.join(10)
-        return (self.peak - self.before) / MiB, all(self.health) and bool(self.health)
+        return self.rss.stop() / MiB, all(self.health) and bool(self.health)
 
 
 def main() -> int:

@@ -187,6 +187,23 @@ class Peer:
             self.send(frame(wire.SETTINGS, wire.ACK, 0))
         return seen
 
+    @classmethod
+    def connect(cls, port: int, **options) -> "Peer":
+        """A connection whose preface and SETTINGS are exchanged."""
+        peer = cls(port, **options)
+        peer.handshake()
+        return peer
+
+    def serving(self, timeout: float = 5.0) -> bool:
+        """A health check on a new stream of this connection is answered SERVING (status 0)."""
+        sid = self.stream_id()
+        if not self.try_send(self.headers(sid, HEALTH), self.message(sid, b"")):
+            return False
+        seen = self.frames(timeout, until=lambda f: f.kind == wire.HEADERS and f.stream == sid
+                           and f.flags & wire.END_STREAM)
+        return bool(seen) and seen[-1].field("grpc-status") == "0" and any(
+            f.kind == wire.DATA and f.stream == sid and f.payload == grpc_message(b"\x08\x01") for f in seen)
+
     def alive(self, timeout: float = 5.0) -> bool:
         """The connection still works: a PING gets its ACK."""
         payload = os.urandom(8)
@@ -220,3 +237,13 @@ class Peer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def serving(port: int, timeout: float = 5.0) -> bool:
+    """A health check on a new connection to ``port`` is answered SERVING (False if it cannot connect)."""
+    try:
+        with Peer(port, timeout=timeout) as peer:
+            peer.handshake(timeout)
+            return peer.serving(timeout)
+    except (OSError, Closed):
+        return False

@@ -202,12 +202,45 @@ class Target:
 
         return psutil.Process(self.filter.popen.pid).memory_info().rss
 
+
     def stop(self) -> None:
         for p in (self.envoy, self.filter, self.sim):
             p.stop()
 
 
-def start_target(model_dir: str, *flags: str, transport: str = "http2") -> Target:
+class PeakRss:
+    """A process's peak resident memory, sampled every 20 ms by a thread of its own until ``stop()``,
+    which returns how far it grew above where it started."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        import psutil
+
+        self.process = psutil.Process(pid)
+        self.before = self.peak = self.process.memory_info().rss
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self.stopped.wait(0.02):
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:  # the process is gone: its test's own checks say so
+                return
+
+    def stop(self) -> int:
+        self.stopped.set()
+        self.thread.join(10)
+        return self.peak - self.before
+
+
+def start_target(model_dir: str, *flags: str, transport: str = "http2", **envoy_values) -> Target:
+    """``Target``: ``derender serve`` with ``flags`` on ``transport``; ``envoy_values``: the Envoy
+    template's (``start_envoy``)."""
     sim, sim_url = start_sim(model_dir)
     port, metrics = free_port(), free_port()
     flt = Proc(f"filter-{transport}", [*DERENDER, "serve", "--model", model_dir, "--served-model-name", "qwen3",
@@ -216,7 +249,7 @@ def start_target(model_dir: str, *flags: str, transport: str = "http2") -> Targe
                                        *flags]).start()
     try:
         flt.wait(lambda: tcp_open(port), 300)
-        envoy, base = start_envoy(port, sim_url)
+        envoy, base = start_envoy(port, sim_url, **envoy_values)
     except Exception:
         flt.stop()
         sim.stop()

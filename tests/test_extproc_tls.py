@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from h2peer import HEALTH, Closed, Peer
-from stack import DERENDER, Proc, free_port, start_envoy, start_sim, tcp_open
+from stack import start_target
 
 from derender.extproc import health
 from derender.extproc.http2 import wire
@@ -63,22 +63,12 @@ def pki(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=["http2", "grpcio"])
 def mtls(request, pki, qwen3_dir):
-    sim, sim_url = start_sim(qwen3_dir)
-    port = free_port()
-    flt = Proc(f"filter-tls-{request.param}", [
-        *DERENDER, "serve", "--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
-        "--port", str(port), "--producer", sim_url, "--workers", "1", "--transport", request.param,
-        "--tls-cert", str(pki / "filter.pem"), "--tls-key", str(pki / "filter.key"),
-        "--tls-client-ca", str(pki / "ca.pem")]).start()
-    try:
-        flt.wait(lambda: tcp_open(port), 300)
-        socket_ = envoy_config.tls_transport_socket(str(pki / "ca.pem"), str(pki / "envoy.pem"), str(pki / "envoy.key"))
-        envoy, base = start_envoy(port, sim_url, FILTER_TRANSPORT_SOCKET=socket_)
-        yield request.param, port, base, flt
-        envoy.stop()
-    finally:
-        flt.stop()
-        sim.stop()
+    socket_ = envoy_config.tls_transport_socket(str(pki / "ca.pem"), str(pki / "envoy.pem"), str(pki / "envoy.key"))
+    target = start_target(qwen3_dir, "--tls-cert", str(pki / "filter.pem"), "--tls-key", str(pki / "filter.key"),
+                          "--tls-client-ca", str(pki / "ca.pem"), transport=request.param,
+                          FILTER_TRANSPORT_SOCKET=socket_)
+    yield request.param, target.port, target.envoy_url, target.filter
+    target.stop()
 
 
 def client_context(pki: Path, cert: str | None) -> ssl.SSLContext:

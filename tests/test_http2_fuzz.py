@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
-from h2peer import HEALTH, PROCESS, Peer, grpc_message
+from h2peer import HEALTH, PROCESS, Peer, serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -61,16 +61,6 @@ def materialize(peer: Peer, spec) -> bytes:
     return frame(kind, flags, stream, payload)
 
 
-def health_check(port: int) -> bool:
-    with Peer(port) as peer:
-        peer.handshake()
-        sid = peer.stream_id()
-        peer.send(peer.headers(sid, HEALTH), peer.message(sid, b""))
-        seen = peer.frames(5, until=lambda f: f.kind == wire.HEADERS and f.flags & wire.END_STREAM)
-        return bool(seen) and seen[-1].field("grpc-status") == "0" and any(
-            f.kind == wire.DATA and f.payload == grpc_message(b"\x08\x01") for f in seen)
-
-
 class Run:
     examples = 0
     peak = 0
@@ -92,13 +82,13 @@ def test_random_frames_never_break_the_filter(h2_target, specs, preface):
         peer.frames(0.1)
     Run.peak = max(Run.peak, h2_target.rss())
     if Run.examples % 40 == 0:
-        assert health_check(h2_target.port)
+        assert serving(h2_target.port)
         assert Run.peak - Run.before < 64 * MiB, f"grew {(Run.peak - Run.before) / MiB:.0f} MiB"
 
 
 def test_after_the_random_frames(h2_target):
     """Whatever order the tests ran in, after the random frames: served, bounded, no traceback."""
-    assert health_check(h2_target.port)
+    assert serving(h2_target.port)
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "after the fuzz"}]}
     r = httpx.post(h2_target.envoy_url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200 and json.loads(r.text)["choices"][0]["message"]["content"] == "after the fuzz"

@@ -193,7 +193,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     routing = RoutingSpec(args.routing, args.prefix_block_size, args.prefix_caching_hash_algo,
                           key_blocks=args.prefix_key_blocks)
-    serve = workers.filter_server(model, args.producer, args.host, args.port, routing, listen.listener(args))
+    # The workers listen on the addresses resolved here (a network in --host named them once).
+    serve = workers.filter_server(model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args))
     code = workers.run(serve, args.port, args.workers)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.

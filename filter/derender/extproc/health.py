@@ -12,6 +12,7 @@ when it is serving): the compose health check uses it.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,8 +61,8 @@ def check(address: str, service: str = "", timeout: float = 2.0, ca: str | None 
     """True if the gRPC server at ``address`` answers ``SERVING`` for ``service``; with ``ca``, over TLS
     (and with ``cert`` / ``key``, a client certificate, for a filter run with ``--tls-client-ca``)."""
     if ca:
-        read = lambda path: open(path, "rb").read()  # noqa: E731
-        credentials = grpc.ssl_channel_credentials(read(ca), read(key) if key else None, read(cert) if cert else None)
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         channel = grpc.secure_channel(address, credentials, options=options)
     else:

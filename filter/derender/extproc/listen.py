@@ -9,6 +9,7 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -46,10 +47,9 @@ class Listener:
             return None
         import grpc
 
-        read = lambda path: open(path, "rb").read()  # noqa: E731
-        ca = read(self.tls_client_ca) if self.tls_client_ca else None
-        return grpc.ssl_server_credentials([(read(self.tls_key), read(self.tls_cert))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        ca = Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None
+        pair = (Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
 def listen_hosts(spec: str) -> list[str]:
@@ -72,11 +72,15 @@ def listen_hosts(spec: str) -> list[str]:
     return hosts
 
 
+def hostport(host: str, port: int | str) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def address(spec: str) -> str:
     """``HOST:PORT`` with HOST as ``--host`` takes it (a network: this machine's first address in it)."""
     host, _, port = spec.rpartition(":")
-    first = listen_hosts(host)[0]
-    return f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
+    return hostport(listen_hosts(host)[0], port)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

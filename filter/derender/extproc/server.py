@@ -36,7 +36,7 @@ from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
 from . import http2
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
-from .listen import Listener, listen_hosts
+from .listen import Listener, hostport, listen_hosts
 
 log = logging.getLogger("derender.extproc")
 
@@ -118,7 +118,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             await self.serve_stream(context.read, context.write)
         except http2.Status as exc:  # the same status as the filter's own transport sends
-            await context.abort(grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == exc.code)), str(exc))
+            await context.abort(next(c for c in grpc.StatusCode if c.value[0] == exc.code), str(exc))
 
     async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply.
@@ -133,7 +133,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 if message is EOF:
                     break
                 kind = message.WhichOneof("request")
-                if kind == "request_headers" and exchange is None and not complete:
+                if kind == "request_headers" and exchange is None:
                     headers = _header_map(message.request_headers)
                     denied = auth.check(headers)
                     if denied is not None:  # before anything is routed, let alone sent to a producer
@@ -295,7 +295,7 @@ async def serve(
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
     processor = kind(router)
     hosts = listen_hosts(host)
-    address = ", ".join(f"{h}:{port}" for h in hosts)
+    address = ", ".join(hostport(h, port) for h in hosts)
     if TRANSPORT == "http2":
         health = Http2Health(("", EXT_PROC_SERVICE))
         methods = {PROCESS: (pb.ProcessingRequest.FromString, processor.serve_stream), **health.methods()}
@@ -309,8 +309,7 @@ async def serve(
         pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health = await add_health(server)
         credentials = listener.grpc_credentials()
-        for one in hosts:
-            where = f"[{one}]:{port}" if ":" in one else f"{one}:{port}"
+        for where in (hostport(h, port) for h in hosts):
             bound = (server.add_secure_port(where, credentials) if credentials is not None
                      else server.add_insecure_port(where))
             if bound == 0:

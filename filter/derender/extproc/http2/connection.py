@@ -19,7 +19,6 @@ A frame that breaks one stream resets that stream only; one that breaks the conn
 from __future__ import annotations
 
 import asyncio
-import logging
 import struct
 from typing import TYPE_CHECKING
 
@@ -36,8 +35,6 @@ from .wire import (
 
 if TYPE_CHECKING:
     from .server import Server
-
-log = logging.getLogger("derender.http2")
 
 LINGER = 2.0  # seconds a closing connection's input is still read and dropped
 
@@ -89,6 +86,7 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
         self.stream_half, self.connection_half = limits.stream_window // 2, limits.connection_window // 2
         self.unacked = 0
         self.reserved = 0  # what messages admitted and not yet read cost, this connection's
+        # The limits a message meets, here rather than behind ``self.limits`` on the per-message path.
         self.max_message, self.max_buffered = limits.max_message, limits.max_buffered
         self.max_buffered_total = limits.max_buffered_total
         # Accounting of what makes no progress.
@@ -163,7 +161,10 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
         self.server.defended(exc.defence, f"HTTP/2 connection closed: {exc}")
         self.goaway(exc.code)
         self._close()
-        for stream in list(self.streams.values()):  # no stream of it goes on
+        self._reset_all()  # no stream of it goes on
+
+    def _reset_all(self) -> None:
+        for stream in list(self.streams.values()):
             self._reset(stream)
         self.streams.clear()
 
@@ -192,9 +193,7 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
         self.server.connections.discard(self)
         self.out.clear()
         self.ending = True
-        for stream in list(self.streams.values()):
-            self._reset(stream)
-        self.streams.clear()
+        self._reset_all()
         if self.paused is not None and not self.paused.done():
             self.paused.set_result(None)
 
@@ -318,5 +317,3 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
             self._empty()
         if flags & END_STREAM and stream.id in self.streams:
             self._end_of_input(stream)
-
-    # -- timers (the server's sweep) -------------------------------------------------------------

@@ -111,8 +111,8 @@ class ControlSide:
         stream = self.streams.get(stream_id)
         if stream is None:
             return
-        if not stream.started and not self.resets.take():  # reset before any answer: Rapid Reset's pattern
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "streams reset too fast", "rapid_reset")
+        if not stream.started:  # reset before any answer: Rapid Reset's pattern
+            self._take_reset("streams reset too fast")
         self._reset(stream)
         self._remove(stream, BY_PEER)
 
@@ -150,14 +150,15 @@ class ControlSide:
         self._control(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
         self._closed_now(stream_id, BY_US)
 
-    def _made_to_reset(self) -> None:
-        """The peer made the filter reset or refuse a stream (MadeYouReset): a token, or the connection."""
+    def _take_reset(self, why: str = "the peer made too many streams fail") -> None:
+        """A stream the peer reset before its answer (Rapid Reset), or made the filter reset or refuse
+        (MadeYouReset): a token of the reset budget, or the connection."""
         if not self.resets.take():
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "the peer made too many streams fail", "rapid_reset")
+            raise ConnectionError_(ENHANCE_YOUR_CALM, why, "rapid_reset")
 
     def _stream_error(self, exc: StreamError) -> None:
         self.server.defended("stream_error")
-        self._made_to_reset()
+        self._take_reset()
         self._control(frame(RST_STREAM, 0, exc.stream_id, exc.code.to_bytes(4, "big")))
         stream = self.streams.get(exc.stream_id)
         if stream is not None:
@@ -177,7 +178,7 @@ class ControlSide:
             self._closed_now(stream.id, how)
             if not self.streams:
                 self.idle_since = self.loop.time()
-                if self.goaway_phase == 2 or (self.goaway_phase and self.server.draining):
+                if self.goaway_phase == 2:
                     self._close()
 
     # -- timers (the server's sweep) ----------------------------------------------------------------

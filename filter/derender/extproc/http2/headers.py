@@ -219,7 +219,7 @@ class HeaderSide:
             raise StreamError(stream_id, PROTOCOL_ERROR, "a stream that depends on itself")
         if too_large:
             self.server.defended("header_list_size")
-            self._made_to_reset()
+            self._take_reset()
             self._trailers_only(stream_id, RESOURCE_EXHAUSTED, too_large, flags & END_STREAM)
             return
         try:
@@ -232,7 +232,7 @@ class HeaderSide:
         limit = self.limits.max_concurrent_streams
         if len(self.streams) >= limit or self.running >= limit:
             self.server.defended("max_streams")
-            self._made_to_reset()
+            self._take_reset()
             self._refuse(stream_id)
             return
         method = self.server.methods.get(asked.path)

@@ -123,7 +123,7 @@ class StreamSide:
             self._refuse_message(stream, body[0], length)
             return
         waiter = stream.waiter
-        if waiter is not None and not stream.inbox and not waiter.done():
+        if waiter is not None and not stream.inbox and not waiter.done():  # _hand, inlined: once per token
             stream.waiter = None
             waiter.set_result(body[5:])
             self.unacked += length + 5
@@ -176,23 +176,22 @@ class StreamSide:
             message = bytes(buffer[5:need])
             del buffer[:need]
             stream.need = 0
-            waiter = stream.waiter
-            if waiter is not None and not stream.inbox and not waiter.done():
-                stream.waiter = None
-                waiter.set_result(message)
+            if self._hand(stream, message):
                 self._unreserve(stream, len(message))
             else:
                 stream.inbox.append(message)
 
-    def _deliver(self, stream: Stream, item: object) -> None:
-        """EOF (or a message already accounted for) to the handler."""
+    @staticmethod
+    def _hand(stream: Stream, item: object) -> bool:
+        """Give ``item`` to the handler waiting in read(), if it waits and nothing is ahead of it."""
         waiter = stream.waiter
-        if waiter is not None and not stream.inbox:
-            stream.waiter = None
-            if not waiter.done():
-                waiter.set_result(item)
-                return
-        stream.inbox.append(item)
+        if waiter is None or stream.inbox:
+            return False
+        stream.waiter = None
+        if waiter.done():  # its read() was cancelled
+            return False
+        waiter.set_result(item)
+        return True
 
     def _end_of_input(self, stream: Stream) -> None:
         if stream.remote_closed:
@@ -202,8 +201,8 @@ class StreamSide:
         stream.remote_closed = True
         if stream.buffer:
             self._abort(stream, INTERNAL_ERROR, "the stream ended inside a message", "stream_error")
-            return
-        self._deliver(stream, EOF)
+        elif not self._hand(stream, EOF):
+            stream.inbox.append(EOF)
 
     def _give_back(self, size: int, stream: Stream | None = None) -> None:
         """``size`` received bytes the filter is done with: to the peer's windows, in batches."""
@@ -227,10 +226,11 @@ class StreamSide:
         """A stream's messages that no handler will read (those waiting, the one being received):
         their budget back, their bytes to the connection's window."""
         messages = [len(item) for item in stream.inbox if item is not EOF]
-        cost = sum(messages) + MESSAGE_OVERHEAD * len(messages)
+        size = sum(messages)
+        cost = size + MESSAGE_OVERHEAD * len(messages)
         if stream.need:  # reserved when its length prefix came
             cost += stream.need - 5 + MESSAGE_OVERHEAD
-        held = sum(messages) + 5 * len(messages) + len(stream.buffer)
+        held = size + 5 * len(messages) + len(stream.buffer)
         self.reserved -= cost
         self.server.reserved -= cost
         if held:
@@ -355,4 +355,4 @@ class StreamSide:
         if stream.task is not None and not stream.task.done():
             stream.task.cancel()
         self._finish(stream, status, why)
-        self._made_to_reset()
+        self._take_reset()
