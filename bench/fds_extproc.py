@@ -21,7 +21,7 @@ import logging
 import grpc
 from derender.extproc import workers
 from derender.endpoints.chat import ChatExchange
-from derender.cli import add_model_arguments, model_spec
+from derender.options import add_model_arguments, model_spec
 from derender.translate.errors import HTTPError
 from derender.extproc.server import ExternalProcessor, _header_map, immediate
 from derender.extproc.health import add_health

@@ -3,7 +3,7 @@
 Rooms are stacked in the order the data flows, each importing only rooms below it (function-level
 imports included: a lazy import hides a cycle at load time, not in the design):
 
-    translate  <  exchange.py  <  ops  <  routing  <  endpoints  <  extproc  <  cli.py, up.py
+    translate  <  exchange.py  <  ops  <  routing  <  endpoints  <  extproc  <  cli.py, options.py, up.py
 
 ``sim`` (the producer simulator) stands apart: it imports nothing of the filter. A module past 400
 lines says why in its own text. And an endpoint is one module plus one line of the registry.
@@ -24,7 +24,7 @@ ORDER = ["translate", "exchange", "ops", "routing", "endpoints", "extproc", "top
 
 def room(parts: tuple[str, ...]) -> str:
     """The room of a module, from its path inside the package (``("endpoints", "chat")``)."""
-    if not parts or parts[0] in ("cli", "up", "__init__", "__main__"):
+    if not parts or parts[0] in ("cli", "options", "up", "__init__", "__main__"):
         return "top"
     return parts[0]
 

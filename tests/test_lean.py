@@ -32,7 +32,8 @@ _MODELS: dict = {}
 def served(name: str):
     """The ``Model`` of one parity configuration, built from the flags ``derender serve`` gets."""
     if name not in _MODELS:
-        from derender.cli import build_parser, model_spec
+        from derender.cli import build_parser
+        from derender.options import model_spec
         from derender.translate.model import Model
 
         model_dir = str(assets.fetch(ASSET.get(name, name), quiet=True))

@@ -8,8 +8,9 @@ The bottom of the package: everything else may import it; it imports only ``tran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .translate.errors import AnthropicHTTPError, HTTPError
 

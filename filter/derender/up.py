@@ -11,11 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from .ops import assets, envoy_config
 from .extproc import health
+from .ops import assets, envoy_config
 from .ops.children import Child, free_port, http_ok
 from .routing.config import ConfigError, envoy_clusters, load
-
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
@@ -77,11 +76,21 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "config", None):
         return ["--config", args.config]
     if getattr(args, "render_url", None):  # the render tier has the model; the simulator still uses --model
-        return ["--render-url", args.render_url, *(["--served-model-name", *args.served_model_name] if args.served_model_name else [])]
+        return [
+            "--render-url",
+            args.render_url,
+            *(["--served-model-name", *args.served_model_name] if args.served_model_name else []),
+        ]
     flags = ["--model", args.model]
     if args.served_model_name:
         flags += ["--served-model-name", *args.served_model_name]
-    for name in ("max_model_len", "chat_template", "reasoning_parser", "tool_call_parser", "default_chat_template_kwargs"):
+    for name in (
+        "max_model_len",
+        "chat_template",
+        "reasoning_parser",
+        "tool_call_parser",
+        "default_chat_template_kwargs",
+    ):
         value = getattr(args, name)
         if value is not None:
             flags += ["--" + name.replace("_", "-"), str(value)]
@@ -147,15 +156,24 @@ def run(args: argparse.Namespace) -> int:
             for i in range(max(1, args.replicas)):
                 port = free_port()
                 name = "simulator" if args.replicas <= 1 else f"simulator-{i + 1}"
-                sims.append((port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args])))
+                sims.append(
+                    (port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args]))
+                )
             for port, sim in sims:
                 sim.wait(lambda port=port: http_ok(f"http://127.0.0.1:{port}/health"), 60)
             urls = [f"http://127.0.0.1:{port}" for port, _ in sims]
             producer = urls[0]
         producer_host, producer_port = envoy_config.split_url(producer)
-        routing = ["--routing", args.routing, "--prefix-block-size", str(args.prefix_block_size),
-                   "--prefix-caching-hash-algo", args.prefix_caching_hash_algo,
-                   "--prefix-key-blocks", str(args.prefix_key_blocks)]
+        routing = [
+            "--routing",
+            args.routing,
+            "--prefix-block-size",
+            str(args.prefix_block_size),
+            "--prefix-caching-hash-algo",
+            args.prefix_caching_hash_algo,
+            "--prefix-key-blocks",
+            str(args.prefix_key_blocks),
+        ]
 
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
@@ -165,9 +183,25 @@ def run(args: argparse.Namespace) -> int:
             keys += ["--responses-store", args.responses_store]
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
-        flt = stack.start("filter", [*derender, "serve", *model_flags(args), "--port", str(filter_port),
-                                     "--producer", ",".join(urls), *routing, *workers, *metrics, *keys])
-        flt.wait(lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None]))  # each model loads
+        flt = stack.start(
+            "filter",
+            [
+                *derender,
+                "serve",
+                *model_flags(args),
+                "--port",
+                str(filter_port),
+                "--producer",
+                ",".join(urls),
+                *routing,
+                *workers,
+                *metrics,
+                *keys,
+            ],
+        )
+        flt.wait(
+            lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None])
+        )  # each model loads
 
         clusters = ""
         if entries:
@@ -191,7 +225,16 @@ def run(args: argparse.Namespace) -> int:
         config_file.write_text(config)
         envoy = stack.start(
             "envoy",
-            [envoy_config.envoy_binary(), "-c", str(config_file), "--concurrency", "2", "--log-level", "warn", "--disable-hot-restart"],
+            [
+                envoy_config.envoy_binary(),
+                "-c",
+                str(config_file),
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+                "--disable-hot-restart",
+            ],
         )
         envoy.wait(lambda: http_ok(f"http://127.0.0.1:{args.port}/health"), 30)
         where = f"producer {producer}" if len(urls) == 1 else f"{len(urls)} producer replicas, {args.routing} routing"

@@ -14,17 +14,17 @@ import time
 from copy import copy
 from typing import Any
 
+from ..exchange import Endpoint, ResponseStart, Rewrite
 from ..ops import logs
+from ..routing.producer import GENERATE_PATH, Producer
 from ..translate import lean
 from ..translate.collect import Collected
-from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from ..translate.errors import INCOMPLETE, HTTPError, from_exception
 from ..translate.model import Model
-from ..routing.producer import GENERATE_PATH, Producer
 from ..translate.render import Rendered, render_chat
-from ..exchange import Endpoint, ResponseStart, Rewrite
 from ..translate.sse import SSEDecoder, SSEError
 from ..translate.stall import message as stall_message
+from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from .lifecycle import ProducerExchange, ms, producer_failure
 
 log = logging.getLogger("derender.chat")
@@ -128,8 +128,9 @@ class ChatExchange(ProducerExchange):
         """This request's stream state: chat's lean path where it serves the request (``lean``)."""
         assert self.rendered is not None
         lean_class = self.lean_class
-        if lean_class is not None and lean.eligible(self.model, self.rendered,
-                                                    continuous_usage=lean_class.continuous_usage):
+        if lean_class is not None and lean.eligible(
+            self.model, self.rendered, continuous_usage=lean_class.continuous_usage
+        ):
             return lean_class(self.model, self.rendered)
         return self.stream_class(self.model, self.rendered)
 
@@ -328,9 +329,12 @@ def check_size(model: Model, body: bytes) -> None:
     rather than Envoy's own reply once it overflows its buffer (images: their processed tensors
     travel in the body, 20-40x the size of the picture)."""
     if len(body) > model.max_producer_body:
-        raise HTTPError(413, f"The request renders to {len(body)} bytes for the producer (its images' processed "
-                        f"tensors), more than this gateway sends ({model.max_producer_body} bytes, "
-                        "--max-producer-body-bytes). Send fewer or smaller images.")
+        raise HTTPError(
+            413,
+            f"The request renders to {len(body)} bytes for the producer (its images' processed "
+            f"tensors), more than this gateway sends ({model.max_producer_body} bytes, "
+            "--max-producer-body-bytes). Send fewer or smaller images.",
+        )
 
 
 def verify_params(model: Model, rendered: object) -> None:

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from .chat import ChatExchange
 from ..exchange import Endpoint
-from ..translate.stream import ChatStream
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, producer_body, with_tensors
+from ..translate.stream import ChatStream
+from .chat import ChatExchange
 
 ONE_PROMPT = (
     "This endpoint takes one prompt per request (got {n}): each request becomes one producer "

@@ -33,14 +33,14 @@ from typing import Any
 
 import pydantic_core
 
-from .chat import ChatExchange
-from ..translate.lean import MARK, LeanChatStream
-from ..translate.stream import WAIT, ChatStream, UnexpectedAwait, chat_response, close_chain, run_until_wait
-from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
-from ..translate.model import Model
-from ..translate.render import Rendered, render_chat_request
 from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
+from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
+from ..translate.lean import MARK, LeanChatStream
+from ..translate.model import Model
+from ..translate.render import Rendered, render_chat_request
+from ..translate.stream import WAIT, ChatStream, UnexpectedAwait, chat_response, close_chain, run_until_wait
+from .chat import ChatExchange
 
 log = logging.getLogger("derender.messages")
 
@@ -148,8 +148,9 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
 
     def _generator(self, model: Model, rendered: Rendered):
         serving = self._serving_chat = serving_messages(model)
-        self._raw = serving.chat_completion_stream_generator_raw(*self._generator_args(model, rendered),
-                                                                 chat_template_kwargs=rendered.chat_template_kwargs)
+        self._raw = serving.chat_completion_stream_generator_raw(
+            *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
+        )
         self._conv = serving.message_stream_converter(self._source())
         return self._raw
 
@@ -171,8 +172,9 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
                 self._block = self._conv.ag_frame.f_locals["state"]
                 self._block.block_type, self._block.block_index  # noqa: B018 - the fields read
             except (AttributeError, KeyError, TypeError):
-                log.warning("vLLM's message stream converter is not as expected: its path for this stream",
-                            exc_info=True)
+                log.warning(
+                    "vLLM's message stream converter is not as expected: its path for this stream", exc_info=True
+                )
                 return False
         return frame
 
@@ -201,8 +203,14 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
     def _pump(self) -> bytes:
         lean = b"".join(self._lean)
         self._lean.clear()
-        if not (lean and self._step is not None and not self._queue and self._failure is None and not self._ended
-                and not self._early):
+        if not (
+            lean
+            and self._step is not None
+            and not self._queue
+            and self._failure is None
+            and not self._ended
+            and not self._early
+        ):
             self._run_raw()
         return self._take_early() + lean + self._convert()
 
@@ -222,8 +230,9 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
 
     def _convert(self) -> bytes:
         """The converter over the queued chunks, until it waits for more or ends."""
-        if self.finished or (self._conv_step is not None and not self._chunks and not self._raw_over
-                             and self._raw_error is None):
+        if self.finished or (
+            self._conv_step is not None and not self._chunks and not self._raw_over and self._raw_error is None
+        ):
             return b""  # waiting, with nothing to take
         step, self._conv_step = self._conv_step, None
         frames, self._conv_step = self._run_client_chain(self._conv, step)

@@ -35,18 +35,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 
 from ..exchange import Exchange, Reply, ResponseStart, Rewrite
-from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..routing.producer import GENERATE_PATH, Producer
+from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
 from ..translate.stall import message as stall_message
 from .completions import ONE_PROMPT
-from .tier_client import CHAT, COMPLETION, RenderTier, TierPaths, chat_echo, tier_error
 from .lifecycle import ProducerExchange, producer_error
+from .tier_client import CHAT, COMPLETION, RenderTier, TierPaths, chat_echo, tier_error
 
 log = logging.getLogger("derender.rendertier")
 
@@ -166,8 +167,13 @@ class TierExchange(ProducerExchange):
             params.update(stop=[], include_stop_str_in_output=False)
             params.pop("output_text_buffer_length", None)
         self.generate = generate
-        return Rewrite(body=orjson.dumps(generate), path=GENERATE_PATH, set_headers={"content-type": "application/json"},
-                       prompt_ids=self.prompt_token_ids, cache_salt=generate.get("cache_salt"))
+        return Rewrite(
+            body=orjson.dumps(generate),
+            path=GENERATE_PATH,
+            set_headers={"content-type": "application/json"},
+            prompt_ids=self.prompt_token_ids,
+            cache_salt=generate.get("cache_salt"),
+        )
 
     # -- response --------------------------------------------------------------
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
@@ -216,7 +222,7 @@ class TierExchange(ProducerExchange):
         try:
             event = orjson.loads(payload)
             if not isinstance(event, dict):
-                raise ValueError("not a JSON object")
+                raise ValueError("not a JSON object")  # noqa: TRY004 - one handler for every bad event below
         except ValueError as exc:
             self._failed("parser_stream")
             return self._fail(502, f"invalid producer event: {exc}")

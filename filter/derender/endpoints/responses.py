@@ -32,20 +32,21 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from . import responses_store as store
-from .chat import ChatExchange
-from ..translate.lean import one_choice_event
-from ..translate.stream import ChatStream, choice_outputs
-from ..translate.errors import HTTPError, dumps, from_exception, parse_body
-from ..translate.model import Model
-from ..translate.render import Rendered, media_of, producer_body
 from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
+from ..translate.errors import HTTPError, dumps, from_exception, parse_body
+from ..translate.lean import one_choice_event
+from ..translate.model import Model
+from ..translate.render import Rendered, media_of, producer_body
+from ..translate.stream import ChatStream, choice_outputs
+from . import responses_store as store
+from .chat import ChatExchange
 from .responses_session import _STAND_IN_SESSIONS, Session, _ProducerEngine
 
 RESPONSES_PATH = "/v1/responses"
 
 log = logging.getLogger("derender.responses")
+
 
 @functools.cache
 def serving_responses(model: Model) -> Any:
@@ -161,7 +162,7 @@ class ResponsesStream(ChatStream):
     """A streaming Responses answer: ``ChatStream``'s producer side, its outputs handed to the
     session; the events vLLM's task writes come out of ``flush``."""
 
-    def __init__(self, model: Model, rendered: RenderedResponse) -> None:  # noqa: D107 - no vLLM generator here
+    def __init__(self, model: Model, rendered: RenderedResponse) -> None:
         self.session = rendered.session
         self.outputs = choice_outputs(model, rendered, stream=True)
         self.producer_request_id: str | None = None
@@ -288,7 +289,9 @@ class ResponsesExchange(ChatExchange):
                     parts.append(content.get("text") or "")
                 parts.append(item.get("arguments") or "")
             return ["".join(parts)]
-        parts = [event.get("delta") or "" for event in logs.sse_json(sent) if str(event.get("type", "")).endswith(".delta")]
+        parts = [
+            event.get("delta") or "" for event in logs.sse_json(sent) if str(event.get("type", "")).endswith(".delta")
+        ]
         return ["".join(parts)]
 
 

@@ -22,15 +22,29 @@ class LoopBody:
     is another generator and is not taken here. ``tests/test_lean.py`` runs both paths over
     generated streams (every shipped configuration but gpt-oss) and demands identical bytes."""
 
-    __slots__ = ("context", "request", "processor", "logprobs", "number", "names", "events", "counter", "template",
-                 "templated")
+    __slots__ = (
+        "context",
+        "counter",
+        "events",
+        "logprobs",
+        "names",
+        "number",
+        "processor",
+        "request",
+        "template",
+        "templated",
+    )
 
     @classmethod
     def of(cls, frame: Any) -> LoopBody | None:
         """From the frame of the caller of the engine's ``generate``, if it is the simple path's."""
         outer = frame.f_back if frame is not None else None
-        if (frame is None or outer is None or frame.f_code.co_name != "_generate_with_builtin_tools"
-                or outer.f_code.co_name != "_process_simple_streaming_events"):
+        if (
+            frame is None
+            or outer is None
+            or frame.f_code.co_name != "_generate_with_builtin_tools"
+            or outer.f_code.co_name != "_process_simple_streaming_events"
+        ):
             return None
         try:
             return cls(outer.f_locals)
@@ -103,8 +117,9 @@ class LoopBody:
                 return False
             delta, make = dm.content, events.emit_simple_content_delta
         elif kind == events._StateType.TOOL_CALL and not state.tool_call_is_custom:
-            delta = "".join(tc.function.arguments for tc in dm.tool_calls or ()
-                            if tc.function is not None and tc.function.arguments)
+            delta = "".join(
+                tc.function.arguments for tc in dm.tool_calls or () if tc.function is not None and tc.function.arguments
+            )
             make = events.emit_simple_tool_call_delta
         else:
             return False
@@ -129,8 +144,9 @@ NUMBER = 987654321987
 
 def event_frame(event: Any) -> bytes:
     """A Responses event as the client gets it: its SSE frame."""
-    return (f"event: {getattr(event, 'type', 'unknown')}\ndata: "
-            f"{event.model_dump_json(indent=None, by_alias=True)}\n\n").encode()
+    return (
+        f"event: {getattr(event, 'type', 'unknown')}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+    ).encode()
 
 
 def _template(make: Any, state: Any) -> tuple[bytes, bytes, bytes, bool]:
@@ -144,8 +160,8 @@ def _template(make: Any, state: Any) -> tuple[bytes, bytes, bytes, bool]:
     if frame.count(mark) != 1 or frame.count(number) != 1:
         raise ValueError("the delta event's template is ambiguous")
     if at_mark < at_number:
-        return frame[:at_mark], frame[at_mark + len(mark):at_number], frame[at_number + len(number):], True
-    return frame[:at_number], frame[at_number + len(number):at_mark], frame[at_mark + len(mark):], False
+        return frame[:at_mark], frame[at_mark + len(mark) : at_number], frame[at_number + len(number) :], True
+    return frame[:at_number], frame[at_number + len(number) : at_mark], frame[at_mark + len(mark) :], False
 
 
 class Frame:

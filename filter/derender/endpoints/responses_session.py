@@ -16,11 +16,11 @@ import sys
 from collections import deque
 from typing import Any
 
-from .responses_lean import Frame, LoopBody, event_frame
-from ..translate.errors import HTTPError, from_exception
 from ..translate import lean
-from ..translate.stream import WAIT, advance, close_chain
+from ..translate.errors import HTTPError, from_exception
 from ..translate.model import _EngineStandIn
+from ..translate.stream import WAIT, advance, close_chain
+from .responses_lean import Frame, LoopBody, event_frame
 
 log = logging.getLogger("derender.responses")
 
@@ -102,7 +102,7 @@ class Session:
                 self.result = result
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the answer
+        except BaseException as exc:
             self._failed(exc)
         finally:
             _STAND_IN_SESSIONS.pop(self.request.request_id, None)
@@ -158,7 +158,7 @@ class Session:
         """One output through the lean loop body; False if the body raised (kept for the step)."""
         try:
             self._loop.step(res, self._event)  # type: ignore[union-attr]
-        except Exception as exc:  # noqa: BLE001 - raised where vLLM's generator would meet it
+        except Exception as exc:
             self._throw = exc
             return False
         self.lean_events += 1
@@ -167,8 +167,16 @@ class Session:
     def takes_direct(self) -> bool:
         """An output that finishes nothing may go into the lean loop body at once (``direct``):
         vLLM's generator waits for the next output, none is queued, nothing has failed or ended."""
-        return (self._loop is not None and self._step is not None and self._throw is None and not self._items
-                and not self._ended and self._failure is None and self._pending is None and not self._over)
+        return (
+            self._loop is not None
+            and self._step is not None
+            and self._throw is None
+            and not self._items
+            and not self._ended
+            and self._failure is None
+            and self._pending is None
+            and not self._over
+        )
 
     def direct(self, res: Any) -> None:
         """``res`` (finishing nothing; ``takes_direct``) through the lean loop body now, as ``_lean``
@@ -186,7 +194,7 @@ class Session:
         except asyncio.CancelledError:
             self._over = True
             raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             self._over = True
             self._failed(exc)
             return
@@ -286,7 +294,7 @@ class _Resume:
             try:
                 try:
                     sent = yield awaited
-                except BaseException as exc:  # noqa: BLE001 - the task cancelled: into the step
+                except BaseException as exc:
                     if self.closed:
                         raise
                     awaited = step.throw(exc)
@@ -305,8 +313,13 @@ def _error_event(failure: BaseException, sequence: int) -> bytes:
     error = failure if isinstance(failure, HTTPError) else from_exception(failure)  # type: ignore[arg-type]
     if getattr(failure, "status_code", None):
         error.status = int(failure.status_code)  # type: ignore[attr-defined]
-    data = {"type": "error", "code": str(error.status), "message": error.message, "param": error.param,
-            "sequence_number": sequence}
+    data = {
+        "type": "error",
+        "code": str(error.status),
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": sequence,
+    }
     return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 

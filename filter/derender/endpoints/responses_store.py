@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 log = logging.getLogger("derender.store")
@@ -41,7 +42,9 @@ def unavailable(detail: str) -> Exception:
 class RedisMapping:
     """A dict-like view of one kind of record in Redis, for vLLM's code."""
 
-    def __init__(self, client: Any, kind: str, dumps: Callable[[Any], str], loads: Callable[[str], Any], ttl: int) -> None:
+    def __init__(
+        self, client: Any, kind: str, dumps: Callable[[Any], str], loads: Callable[[str], Any], ttl: int
+    ) -> None:
         self.client = client
         self.prefix = f"{PREFIX}{kind}:"
         self.dumps, self.loads, self.ttl = dumps, loads, ttl

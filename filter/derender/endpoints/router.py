@@ -124,7 +124,9 @@ class NotServed:
 class ModelExchange:
     """Picks the backend from the body's ``model``, then hands everything to its exchange."""
 
-    def __init__(self, router: Router, endpoint: Endpoint, x_request_id: str | None, priority: str | None = None) -> None:
+    def __init__(
+        self, router: Router, endpoint: Endpoint, x_request_id: str | None, priority: str | None = None
+    ) -> None:
         self.router = router
         self.endpoint = endpoint
         self.x_request_id = x_request_id
@@ -152,8 +154,9 @@ class ModelExchange:
             result.set_headers["x-envoy-original-path"] = self.endpoint.path
             if backend.balancer is not None:
                 began = time.thread_time()
-                headers, self.decision = backend.balancer.route(result.prompt_ids, result.cache_salt, result.lora,
-                                                                result.media)
+                headers, self.decision = backend.balancer.route(
+                    result.prompt_ids, result.cache_salt, result.lora, result.media
+                )
                 self.decision.cpu_us = (time.thread_time() - began) * 1e6
                 result.set_headers.update(headers)
                 result.destination = self.decision.chosen
@@ -177,8 +180,13 @@ class ModelExchange:
             self.balancer.finished(self.decision)
             d, inner = self.decision, self.inner
             cached = getattr(getattr(inner, "stream", None), "producer_cached_tokens", None)
-            metrics.routed(d.mode, d.why or "key", d.served, d.prompt_tokens,
-                           cached if cached is not None else getattr(inner, "producer_cached_tokens", None))
+            metrics.routed(
+                d.mode,
+                d.why or "key",
+                d.served,
+                d.prompt_tokens,
+                cached if cached is not None else getattr(inner, "producer_cached_tokens", None),
+            )
         if self.inner is not None:
             self.inner.close(complete)
 
@@ -193,7 +201,10 @@ class Router:
     """
 
     def __init__(
-        self, served: Model | Backend | list[Backend], producer: Producer | None = None, routing: RoutingSpec | None = None
+        self,
+        served: Model | Backend | list[Backend],
+        producer: Producer | None = None,
+        routing: RoutingSpec | None = None,
     ) -> None:
         if isinstance(served, Backend):
             served = [served]

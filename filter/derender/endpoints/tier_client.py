@@ -27,7 +27,9 @@ class TierPaths:
 
 
 CHAT = TierPaths("chat", "chat", "/v1/chat/completions/render", "/v1/chat/completions/derender", "chat_request")
-COMPLETION = TierPaths("completion", "text_completion", "/v1/completions/render", "/v1/completions/derender", "completion_request")
+COMPLETION = TierPaths(
+    "completion", "text_completion", "/v1/completions/render", "/v1/completions/derender", "completion_request"
+)
 
 
 def tier_error(status: int, body: bytes) -> HTTPError:
@@ -55,7 +57,9 @@ class RenderTier:
             )
         return self._session
 
-    async def call(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async def call(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         """One HTTP call; an unreachable render tier is a 503."""
         try:
             async with self._client().request(
@@ -89,5 +93,7 @@ def chat_echo(request: dict[str, Any]) -> str:
         return ""
     content = last.get("content") or ""
     if isinstance(content, list):  # text parts, flattened as vLLM's chat parser does
-        content = "\n".join(str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text")
+        content = "\n".join(
+            str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text"
+        )
     return content if isinstance(content, str) else ""

@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from ..exchange import Endpoint, Reply
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
-from ..exchange import Endpoint, Reply
 
 
 @functools.cache
@@ -53,7 +53,9 @@ class TokenizationExchange:
         pass
 
 
-TOKENIZE = Endpoint("/tokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/tokenize", x_request_id))
+TOKENIZE = Endpoint(
+    "/tokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/tokenize", x_request_id)
+)
 DETOKENIZE = Endpoint(
     "/detokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/detokenize", x_request_id)
 )

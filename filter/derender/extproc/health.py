@@ -56,8 +56,15 @@ class Http2Health:
         return {"/grpc.health.v1.Health/Check": (health_pb2.HealthCheckRequest.FromString, self.check)}
 
 
-def check(address: str, service: str = "", timeout: float = 2.0, ca: str | None = None, cert: str | None = None,
-          key: str | None = None, server_name: str | None = None) -> bool:
+def check(
+    address: str,
+    service: str = "",
+    timeout: float = 2.0,
+    ca: str | None = None,
+    cert: str | None = None,
+    key: str | None = None,
+    server_name: str | None = None,
+) -> bool:
     """True if the gRPC server at ``address`` answers ``SERVING`` for ``service``; with ``ca``, over TLS
     (and with ``cert`` / ``key``, a client certificate, for a filter run with ``--tls-client-ca``)."""
     if ca:
@@ -80,20 +87,33 @@ def check(address: str, service: str = "", timeout: float = 2.0, ca: str | None 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m derender.extproc.health",
-                                     description="ask a filter's gRPC health service (exit 0 when it is serving)")
-    parser.add_argument("address", metavar="HOST:PORT",
-                        help="HOST as serve --host takes it: an address, or a network for this machine's address in it")
+    parser = argparse.ArgumentParser(
+        prog="python -m derender.extproc.health",
+        description="ask a filter's gRPC health service (exit 0 when it is serving)",
+    )
+    parser.add_argument(
+        "address",
+        metavar="HOST:PORT",
+        help="HOST as serve --host takes it: an address, or a network for this machine's address in it",
+    )
     parser.add_argument("service", nargs="?", default="")
-    parser.add_argument("--tls-ca", default=None, metavar="FILE", help="TLS: the CA that signed the filter's certificate")
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="FILE", help="TLS: the CA that signed the filter's certificate"
+    )
     parser.add_argument("--tls-cert", default=None, metavar="FILE", help="TLS: a client certificate (mTLS)")
     parser.add_argument("--tls-key", default=None, metavar="FILE", help="TLS: its private key")
     parser.add_argument("--server-name", default=None, help="TLS: the name the filter's certificate carries")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     from .listen import address
 
-    ok = check(address(args.address), args.service, ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
-               server_name=args.server_name)
+    ok = check(
+        address(args.address),
+        args.service,
+        ca=args.tls_ca,
+        cert=args.tls_cert,
+        key=args.tls_key,
+        server_name=args.server_name,
+    )
     print("SERVING" if ok else "NOT SERVING")
     return 0 if ok else 1
 

@@ -63,9 +63,13 @@ def listen_hosts(spec: str) -> list[str]:
         import psutil  # vLLM's dependency too
 
         network = ipaddress.ip_network(item, strict=False)
-        found = [a.address.split("%")[0] for addresses in psutil.net_if_addrs().values() for a in addresses
-                 if a.family in (socket.AF_INET, socket.AF_INET6)
-                 and ipaddress.ip_address(a.address.split("%")[0]) in network]
+        found = [
+            a.address.split("%")[0]
+            for addresses in psutil.net_if_addrs().values()
+            for a in addresses
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+            and ipaddress.ip_address(a.address.split("%")[0]) in network
+        ]
         if not found:
             raise OSError(f"--host {item}: this machine has no address in {network}")
         hosts += found
@@ -85,23 +89,51 @@ def address(spec: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ext_proc port's bounds and TLS (docs/operations.md, "The ext_proc port")."""
-    parser.add_argument("--max-concurrent-streams", type=int, default=100,
-                        help="ext_proc streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; past it "
-                        "REFUSED_STREAM; Envoy's ext_proc clusters in envoy/ open at most 64; default 100)")
-    parser.add_argument("--max-message-bytes", type=int, default=None,
-                        help="largest ext_proc message taken (RESOURCE_EXHAUSTED past it, before any of it is kept; "
-                        "default: Envoy's body buffer, the larger of 16 MiB and --max-producer-body-bytes, plus 1 MiB)")
-    parser.add_argument("--ext-proc-idle-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="an ext_proc connection with no stream this long is closed with GOAWAY (default 300)")
-    parser.add_argument("--max-ext-proc-connections", type=int, default=2048,
-                        help="ext_proc connections a worker holds at once; past it a new one is closed (default 2048)")
-    parser.add_argument("--tls-cert", default=os.environ.get("DERENDER_TLS_CERT") or None, metavar="FILE",
-                        help="serve the ext_proc port over TLS with this certificate (PEM; with --tls-key; "
-                        "default $DERENDER_TLS_CERT)")
-    parser.add_argument("--tls-key", default=os.environ.get("DERENDER_TLS_KEY") or None, metavar="FILE",
-                        help="the certificate's private key (PEM; default $DERENDER_TLS_KEY)")
-    parser.add_argument("--tls-client-ca", default=os.environ.get("DERENDER_TLS_CLIENT_CA") or None, metavar="FILE",
-                        help="require a client certificate signed by this CA (mTLS; PEM; default $DERENDER_TLS_CLIENT_CA)")
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=100,
+        help="ext_proc streams per HTTP/2 connection (SETTINGS_MAX_CONCURRENT_STREAMS; past it "
+        "REFUSED_STREAM; Envoy's ext_proc clusters in envoy/ open at most 64; default 100)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=None,
+        help="largest ext_proc message taken (RESOURCE_EXHAUSTED past it, before any of it is kept; "
+        "default: Envoy's body buffer, the larger of 16 MiB and --max-producer-body-bytes, plus 1 MiB)",
+    )
+    parser.add_argument(
+        "--ext-proc-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="an ext_proc connection with no stream this long is closed with GOAWAY (default 300)",
+    )
+    parser.add_argument(
+        "--max-ext-proc-connections",
+        type=int,
+        default=2048,
+        help="ext_proc connections a worker holds at once; past it a new one is closed (default 2048)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get("DERENDER_TLS_CERT") or None,
+        metavar="FILE",
+        help="serve the ext_proc port over TLS with this certificate (PEM; with --tls-key; default $DERENDER_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get("DERENDER_TLS_KEY") or None,
+        metavar="FILE",
+        help="the certificate's private key (PEM; default $DERENDER_TLS_KEY)",
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=os.environ.get("DERENDER_TLS_CLIENT_CA") or None,
+        metavar="FILE",
+        help="require a client certificate signed by this CA (mTLS; PEM; default $DERENDER_TLS_CLIENT_CA)",
+    )
 
 
 def listener(args: argparse.Namespace):
@@ -112,9 +144,14 @@ def listener(args: argparse.Namespace):
     body = max(16 << 20, getattr(args, "max_producer_body_bytes", 16 << 20))
     message = args.max_message_bytes or body + (1 << 20)  # Envoy's body buffer, plus the message's framing
     buffered = max(defaults.max_buffered, message + 5)
-    limits = Limits(max_concurrent_streams=args.max_concurrent_streams, max_message=message, max_buffered=buffered,
-                    max_buffered_total=max(defaults.max_buffered_total, buffered),
-                    idle_timeout=args.ext_proc_idle_timeout, max_connections=args.max_ext_proc_connections)
+    limits = Limits(
+        max_concurrent_streams=args.max_concurrent_streams,
+        max_message=message,
+        max_buffered=buffered,
+        max_buffered_total=max(defaults.max_buffered_total, buffered),
+        idle_timeout=args.ext_proc_idle_timeout,
+        max_connections=args.max_ext_proc_connections,
+    )
     return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca)
 
 

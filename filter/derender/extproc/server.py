@@ -14,15 +14,15 @@ import asyncio
 import logging
 import signal
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-from grpc.aio import EOF
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
+from grpc.aio import EOF
 
 from ..endpoints import registry
 from ..endpoints.router import Router
@@ -100,7 +100,6 @@ def _error(exc: HTTPError) -> pb.ProcessingResponse:
     return immediate(exc.status, exc.body())
 
 
-
 def _body_mutation(body: bytes) -> pb.BodyMutation:
     return pb.BodyMutation(body=body) if body else pb.BodyMutation(clear_body=True)
 
@@ -110,7 +109,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.router = router
         self.active = 0
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> None:  # noqa: N802
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> None:
         # grpc.aio's read()/write() on the call itself, not its request iterator and an async
         # generator of replies: two layers of async generators less per message. An echo server
         # spends 0.88x the CPU per message this way; the filter at 64 streams paced one token per
@@ -120,7 +119,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except http2.Status as exc:  # the same status as the filter's own transport sends
             await context.abort(next(c for c in grpc.StatusCode if c.value[0] == exc.code), str(exc))
 
-    async def serve_stream(self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]) -> None:
+    async def serve_stream(
+        self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]
+    ) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply.
         Either transport's entry: grpc.aio's through ``Process``, ``http2``'s directly."""
         exchange: Exchange | None = None
@@ -170,7 +171,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 elif kind == "response_headers" and exchange is not None and not rewritten:
                     # Envoy answered before the body reached the filter (413: body too large).
                     complete = True
-                    await write(pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_PASS_RESPONSE))
+                    await write(
+                        pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_PASS_RESPONSE)
+                    )
                 elif kind == "response_headers" and exchange is not None:
                     headers = _header_map(message.response_headers)
                     status = int(headers.get(":status", "0") or 0)
@@ -310,15 +313,23 @@ async def serve(
         health = await add_health(server)
         credentials = listener.grpc_credentials()
         for where in (hostport(h, port) for h in hosts):
-            bound = (server.add_secure_port(where, credentials) if credentials is not None
-                     else server.add_insecure_port(where))
+            bound = (
+                server.add_secure_port(where, credentials)
+                if credentials is not None
+                else server.add_insecure_port(where)
+            )
             if bound == 0:
                 raise OSError(f"cannot listen on {where}")
         await server.start()
     metrics.start_server()
     watch = loopwatch.start()
-    log.info("ext_proc listening on %s (transport %s%s), producer %s", address, TRANSPORT,
-             ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "", producer_url)
+    log.info(
+        "ext_proc listening on %s (transport %s%s), producer %s",
+        address,
+        TRANSPORT,
+        ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "",
+        producer_url,
+    )
     if ready is not None:
         ready.set()
     try:

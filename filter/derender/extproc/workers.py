@@ -41,8 +41,9 @@ def filter_server(model: Any, producer: str, host: str, port: int, routing: Any 
     port's bounds and TLS, a ``listen.Listener``)."""
     from .server import serve
 
-    return lambda reuse_port: serve(model, producer, host, port, reuse_port=reuse_port, routing=routing,
-                                    listener=listener)
+    return lambda reuse_port: serve(
+        model, producer, host, port, reuse_port=reuse_port, routing=routing, listener=listener
+    )
 
 
 def run_one(serve: Serve, reuse_port: bool = False) -> None:

@@ -96,8 +96,17 @@ _QWEN2_VL_CONFIG = {
     "vision_token_id": 151654,
     "image_token_id": 151655,
     "video_token_id": 151656,
-    "vision_config": {"depth": 1, "embed_dim": 64, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
-                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3},
+    "vision_config": {
+        "depth": 1,
+        "embed_dim": 64,
+        "hidden_size": 64,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_chans": 3,
+    },
 }
 _QWEN2_VL_PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessor",
@@ -118,8 +127,9 @@ _QWEN2_VL_PREPROCESSOR = {
 
 ASSETS: dict[str, Asset] = {
     "qwen3": Asset("qwen3", (_QWEN3_TOKENIZER,), _QWEN3_CONFIG),
-    "qwen2-vl": Asset("qwen2-vl", (_QWEN3_TOKENIZER,), _QWEN2_VL_CONFIG,
-                      {"preprocessor_config.json": _QWEN2_VL_PREPROCESSOR}),
+    "qwen2-vl": Asset(
+        "qwen2-vl", (_QWEN3_TOKENIZER,), _QWEN2_VL_CONFIG, {"preprocessor_config.json": _QWEN2_VL_PREPROCESSOR}
+    ),
     "deepseek-r1": Asset(
         "deepseek-r1",
         (
@@ -298,7 +308,7 @@ def build_o200k(tokenizer_json: Path, target: Path) -> None:
             printable.append(b)
             chars.append(256 + n)
             n += 1
-    decode = {chr(c): b for b, c in zip(printable, chars)}
+    decode = {chr(c): b for b, c in zip(printable, chars, strict=False)}
     lines = []
     for token, rank in sorted(vocab.items(), key=lambda kv: kv[1]):
         raw = bytes(decode[ch] for ch in token)

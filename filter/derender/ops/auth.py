@@ -33,7 +33,7 @@ def keys_from_env() -> list[str]:
 def configure(keys: list[str] | None) -> int:
     """Require one of ``keys`` (``None``: the environment's); returns how many are in force."""
     global _checker
-    keys = [k for k in (keys if keys else keys_from_env()) if k]
+    keys = [k for k in (keys or keys_from_env()) if k]
     if not keys:
         _checker = None
         return 0

@@ -14,8 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlsplit
 
 
@@ -68,8 +68,9 @@ class Child:
         return self
 
     def _spawn(self, out, env: dict[str, str]) -> subprocess.Popen:
-        return subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        return subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     @property
     def pid(self) -> int:

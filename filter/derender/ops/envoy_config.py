@@ -29,13 +29,20 @@ def tls_transport_socket(ca: str, cert: str | None = None, key: str | None = Non
     ``cert`` and ``key``, Envoy's client certificate for a filter that asks one (``--tls-client-ca``)."""
     import json
 
-    common: dict = {"alpn_protocols": ["h2"],
-                    "validation_context": {"trusted_ca": {"filename": ca},
-                                           "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": sni}}]}}
+    common: dict = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": ca},
+            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": sni}}],
+        },
+    }
     if cert:
         common["tls_certificates"] = [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
-    context = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-               "sni": sni, "common_tls_context": common}
+    context = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "sni": sni,
+        "common_tls_context": common,
+    }
     return "transport_socket: " + json.dumps({"name": "envoy.transport_sockets.tls", "typed_config": context})
 
 
@@ -81,15 +88,24 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
         "name": name,
         "type": "STRICT_DNS",
         "connect_timeout": "2s",
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]},
+        "circuit_breakers": {
+            "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
+        },
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
     }
     if len(urls) > 1:
         # Two failed checks in a row, not one: a single slow /health answer (a busy producer, a pause)
         # would otherwise move the replica's keys off it and cost their prefix-cache hits; a replica
         # that is really down has its requests retried elsewhere (connect-failure) until the second.
-        cluster["health_checks"] = [{"timeout": "1s", "interval": "2s", "unhealthy_threshold": 2, "healthy_threshold": 1,
-                                     "http_health_check": {"path": "/health"}}]
+        cluster["health_checks"] = [
+            {
+                "timeout": "1s",
+                "interval": "2s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health"},
+            }
+        ]
         # A replica's health change reaches the workers' balancers at once, not merged over Envoy's
         # default 1 s window: otherwise for up to a second after Envoy (and its admin page) call a
         # replica healthy, the ring still lacks it, and then a conversation's key moves replicas.
@@ -101,17 +117,36 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
         cluster["lb_policy"] = "RING_HASH"
         cluster.setdefault("common_lb_config", {}).update(ring)
     elif routing == "precise":
-        ring_hash = {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash", **ring}
-        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.override_host",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                # routing.balance's ENDPOINT_NAMESPACE / ENDPOINT_KEY (test_multi_model holds them equal)
-                "override_host_sources": [{"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
-                "fallback_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.ring_hash", "typed_config": ring_hash}}]},
-            },
-        }}]}
+        ring_hash = {
+            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
+            **ring,
+        }
+        cluster["load_balancing_policy"] = {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            # routing.balance's ENDPOINT_NAMESPACE / ENDPOINT_KEY (test_multi_model holds them equal)
+                            "override_host_sources": [
+                                {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+                            ],
+                            "fallback_policy": {
+                                "policies": [
+                                    {
+                                        "typed_extension_config": {
+                                            "name": "envoy.load_balancing_policies.ring_hash",
+                                            "typed_config": ring_hash,
+                                        }
+                                    }
+                                ]
+                            },
+                        },
+                    }
+                }
+            ]
+        }
     else:
         raise ValueError(f"unknown routing {routing!r}")
     return cluster

@@ -16,9 +16,9 @@ import time
 
 import orjson
 
-from ..translate.stream import ChatStream
 from ..translate.model import Model
 from ..translate.render import render_chat
+from ..translate.stream import ChatStream
 
 log = logging.getLogger("derender.warmup")
 

@@ -71,8 +71,12 @@ class Decision:
 
     def fields(self) -> dict[str, object]:
         """For the request's log line."""
-        out: dict[str, object] = {"replica": self.served, "routing": self.mode, "prefix_blocks": self.key_blocks,
-                                  "routing_us": round(self.cpu_us, 1)}
+        out: dict[str, object] = {
+            "replica": self.served,
+            "routing": self.mode,
+            "prefix_blocks": self.key_blocks,
+            "routing_us": round(self.cpu_us, 1),
+        }
         if self.mode == PRECISE:
             out["route"] = self.why
             out["matched_blocks"] = self.matched_blocks
@@ -86,7 +90,7 @@ def block_chain(ids: Sequence[int], size: int, seed: object = None) -> list[int]
     parent = hash(seed)
     out = []
     append = out.append
-    for block in map(hash, zip(*[iter(ids[:full])] * size)):
+    for block in map(hash, zip(*[iter(ids[:full])] * size, strict=False)):
         parent = hash((parent, block))
         append(parent)
     return out
@@ -107,8 +111,13 @@ class Balancer:
         self.owners: dict[int, str] = {}  # block id -> the replica that last served it
         self.in_flight: dict[str, int] = {}  # known replicas -> this process's requests there
 
-    def route(self, ids: Sequence[int] | None, cache_salt: str | None = None,
-              lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> tuple[dict[str, str], Decision]:
+    def route(
+        self,
+        ids: Sequence[int] | None,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        media: Sequence[Media] = (),
+    ) -> tuple[dict[str, str], Decision]:
         """The headers that route this prompt, and the decision to report back (its ``chosen``:
         the replica precise routing asks Envoy for, if any)."""
         decision = Decision(self.mode, prompt_tokens=len(ids or ()))
@@ -125,7 +134,9 @@ class Balancer:
             depth = (covered + depth * size * self.STRIDE) // size
             if best is None:
                 decision.why = "key"  # nothing known beyond what the key's hash places
-            elif self.in_flight[best] + 1 > max(1.0, self.bound * (sum(self.in_flight.values()) + 1) / len(self.in_flight)):
+            elif self.in_flight[best] + 1 > max(
+                1.0, self.bound * (sum(self.in_flight.values()) + 1) / len(self.in_flight)
+            ):
                 decision.why = "bound"
             else:
                 decision.why, decision.chosen, decision.matched_blocks = "match", best, depth

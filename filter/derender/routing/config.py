@@ -112,7 +112,9 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
     cluster, urls = producer.get("cluster"), producer.get("url")
     urls = [urls] if isinstance(urls, str) else urls
     if not isinstance(cluster, str) or not CLUSTER_NAME.match(cluster) or cluster in RESERVED_CLUSTERS:
-        raise ConfigError(f"{where}: producer.cluster must be a name of letters, digits, '_', '.', '-' (not 'derender')")
+        raise ConfigError(
+            f"{where}: producer.cluster must be a name of letters, digits, '_', '.', '-' (not 'derender')"
+        )
     if not urls or not all(isinstance(u, str) and u for u in urls):
         raise ConfigError(f"{where}: producer.url must be a URL or a list of URLs")
     render_url = item.get("render_url")

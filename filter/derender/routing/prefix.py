@@ -59,8 +59,14 @@ class BlockHasher:
         # string for the cryptographic algorithms (random for xxhash: not reproducible).
         kv_cache_utils.init_none_hash(self.hash_fn)
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, limit: int | None = None,
-              lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> list[bytes]:
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        limit: int | None = None,
+        lora: tuple[str, str] | None = None,
+        media: Sequence[Media] = (),
+    ) -> list[bytes]:
         """The hashes of the full blocks of ``token_ids`` (the first ``limit`` of them, if given);
         ``lora``: the adapter's (name, path), which vLLM puts in every block's extra keys; ``media``:
         the prompt's images as (content hash, placeholder offset, length), sorted by offset."""
@@ -95,8 +101,9 @@ class BlockHasher:
 Media = tuple[str, int, int]  # an image's content hash (vLLM's mm_hash), placeholder offset and length
 
 
-def extra_keys(start: int, end: int, cache_salt: str | None, lora: tuple[str, str] | None,
-               media: Sequence[Media]) -> tuple | None:
+def extra_keys(
+    start: int, end: int, cache_salt: str | None, lora: tuple[str, str] | None, media: Sequence[Media]
+) -> tuple | None:
     """vLLM's extra keys of the block of tokens [start, end) (``generate_block_hash_extra_keys``): the
     adapter, then every image whose placeholder overlaps the block with its offset from the block's
     start, then the cache salt on the first block."""
@@ -135,8 +142,9 @@ def answer_marker(tokenizer: Any) -> tuple[int, ...]:
     probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     try:  # rendered to text, then tokenized as vLLM tokenizes a rendered chat prompt
         bare, full = (
-            tokenizer.encode(tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=g),
-                             add_special_tokens=False)
+            tokenizer.encode(
+                tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=g), add_special_tokens=False
+            )
             for g in (False, True)
         )
     except Exception:  # noqa: BLE001 - a template that refuses the probe: no marker, full-block keys
@@ -173,8 +181,13 @@ class PrefixKey:
         end = len(ids) if end < 0 else end + len(self.marker)
         return min(end, self.max_blocks * self.hasher.block_size)
 
-    def key(self, ids: Sequence[int], cache_salt: str | None = None,
-            lora: tuple[str, str] | None = None, media: Sequence[Media] = ()) -> tuple[str | None, int]:
+    def key(
+        self,
+        ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        media: Sequence[Media] = (),
+    ) -> tuple[str | None, int]:
         """(hex key, or None for an empty prompt; the tokens it covers); ``lora``: the adapter's
         (name, path): its prompts key apart from the base model's, as vLLM's blocks do; ``media``: the
         prompt's images (``media_of``): the same placeholder tokens with another picture key apart."""

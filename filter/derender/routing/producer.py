@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any, Coroutine
+from collections.abc import Coroutine
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -43,7 +44,7 @@ def log_abort(request_id: str, why: str, attempts: list[tuple[str, str]]) -> boo
 
 
 async def abort_replica_first(
-    first: "Producer", fallbacks: list["Producer"], request_id: str, why: str, upstream: str | None
+    first: Producer, fallbacks: list[Producer], request_id: str, why: str, upstream: str | None
 ) -> bool:
     """Abort at the replica Envoy reached (``upstream``, by ``first``'s scheme) if known; if that
     is not taken, at every producer of ``fallbacks`` at once. One log line for it all."""
@@ -53,7 +54,7 @@ async def abort_replica_first(
         attempts.append((url, await first.post_abort(url, request_id)))
     if not attempts or attempts[-1][1] != "ok":
         outcomes = await asyncio.gather(*(p.post_abort(p.url, request_id) for p in fallbacks))
-        attempts += [(p.url, o) for p, o in zip(fallbacks, outcomes)]
+        attempts += [(p.url, o) for p, o in zip(fallbacks, outcomes, strict=False)]
     return log_abort(request_id, why, attempts)
 
 

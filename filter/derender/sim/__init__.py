@@ -37,5 +37,15 @@ from .generation import _Choice, _Generation
 from .simulator import SIMULATOR, Simulator
 from .wire import FAULTS, MALFORMED
 
-__all__ = ["FAULTS", "MALFORMED", "SIMULATOR", "PrefixCache", "Simulator", "_Choice", "_Generation", "add_arguments",
-           "build_app", "main"]
+__all__ = [
+    "FAULTS",
+    "MALFORMED",
+    "SIMULATOR",
+    "PrefixCache",
+    "Simulator",
+    "_Choice",
+    "_Generation",
+    "add_arguments",
+    "build_app",
+    "main",
+]

@@ -8,65 +8,112 @@ import logging
 
 from aiohttp import web
 
-
 from .simulator import Simulator
 
 
-
-def build_app(model_dir: str, mode: str = "echo", script: str | None = None,
-              tokens_per_event: int | str = 1, delay: float = 0.0,
-              finish_only_tail: bool = False, error_after: int | None = None,
-              http_error: int | None = None, prefix_cache_blocks: int = 0,
-              prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False,
-              lockstep: bool = False) -> web.Application:
-    return Simulator(model_dir, mode, script, tokens_per_event, delay, finish_only_tail,
-                     error_after, http_error, prefix_cache_blocks, prefill_us_per_token,
-                     prompt_tokens_details, lockstep).app()
+def build_app(
+    model_dir: str,
+    mode: str = "echo",
+    script: str | None = None,
+    tokens_per_event: int | str = 1,
+    delay: float = 0.0,
+    finish_only_tail: bool = False,
+    error_after: int | None = None,
+    http_error: int | None = None,
+    prefix_cache_blocks: int = 0,
+    prefill_us_per_token: float = 0.0,
+    prompt_tokens_details: bool = False,
+    lockstep: bool = False,
+) -> web.Application:
+    return Simulator(
+        model_dir,
+        mode,
+        script,
+        tokens_per_event,
+        delay,
+        finish_only_tail,
+        error_after,
+        http_error,
+        prefix_cache_blocks,
+        prefill_us_per_token,
+        prompt_tokens_details,
+        lockstep,
+    ).app()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="folder with tokenizer.json, tokenizer_config.json, config.json")
+    parser.add_argument(
+        "--model", default=None, metavar="DIR", help="folder with tokenizer.json, tokenizer_config.json, config.json"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--mode", choices=("echo", "script"), default="echo")
     parser.add_argument("--script", help="JSONL file of choices (script mode)")
     parser.add_argument("--tokens-per-event", default="1", help="int or random:SEED")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds per event")
-    parser.add_argument("--lockstep", action="store_true",
-                        help="--delay is one step of a clock all requests share, as one GPU decodes a batch "
-                        "(every request's event at the same moment), not a timer of each request's own")
-    parser.add_argument("--finish-only-tail", action="store_true",
-                        help="send finish_reason in a separate event with no tokens")
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="--delay is one step of a clock all requests share, as one GPU decodes a batch "
+        "(every request's event at the same moment), not a timer of each request's own",
+    )
+    parser.add_argument(
+        "--finish-only-tail", action="store_true", help="send finish_reason in a separate event with no tokens"
+    )
     parser.add_argument("--error-after", type=int, help="mid-stream error after N events")
     parser.add_argument("--http-error", type=int, help="answer every generate with this status")
-    parser.add_argument("--prefix-cache-blocks", type=int, default=0,
-                        help="model vLLM's prefix cache: an LRU of this many 16-token blocks (0: none)")
-    parser.add_argument("--prefill-us-per-token", type=float, default=0.0,
-                        help="before the first token, wait this long per prompt token not found in the cache "
-                        "(one prompt at a time, as one GPU prefills)")
-    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
-                        help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag")
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=0,
+        help="model vLLM's prefix cache: an LRU of this many 16-token blocks (0: none)",
+    )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="before the first token, wait this long per prompt token not found in the cache "
+        "(one prompt at a time, as one GPU prefills)",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag",
+    )
 
 
 async def _announce(args: argparse.Namespace) -> None:
     cache = f", prefix cache of {args.prefix_cache_blocks} blocks" if args.prefix_cache_blocks else ""
-    logging.getLogger("derender.sim").info("simulator (%s mode%s) on http://%s:%d", args.mode, cache, args.host, args.port)
+    logging.getLogger("derender.sim").info(
+        "simulator (%s mode%s) on http://%s:%d", args.mode, cache, args.host, args.port
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     tpe = str(args.tokens_per_event)
-    app = build_app(args.model, args.mode, args.script, int(tpe) if tpe.isdigit() else tpe,
-                    args.delay, args.finish_only_tail, args.error_after, args.http_error,
-                    args.prefix_cache_blocks, args.prefill_us_per_token, args.enable_prompt_tokens_details,
-                    args.lockstep)
+    app = build_app(
+        args.model,
+        args.mode,
+        args.script,
+        int(tpe) if tpe.isdigit() else tpe,
+        args.delay,
+        args.finish_only_tail,
+        args.error_after,
+        args.http_error,
+        args.prefix_cache_blocks,
+        args.prefill_us_per_token,
+        args.enable_prompt_tokens_details,
+        args.lockstep,
+    )
     try:
         import uvloop
+
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
     # One line in the log's own format, in place of aiohttp's banner ("Running on ... Press CTRL+C").
     app.on_startup.append(lambda _: _announce(args))
-    web.run_app(app, host=args.host, port=args.port, access_log=None, loop=loop, backlog=4096,
-                shutdown_timeout=1.0, print=None)
+    web.run_app(
+        app, host=args.host, port=args.port, access_log=None, loop=loop, backlog=4096, shutdown_timeout=1.0, print=None
+    )
     return 0

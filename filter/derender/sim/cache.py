@@ -6,7 +6,6 @@ import collections
 import hashlib
 
 
-
 class PrefixCache:
     """vLLM's prefix cache, modelled: an LRU of full blocks of ``BLOCK`` tokens, each known by
     the hash of its whole prefix (a chain, as vLLM hashes them). A request finds the leading
@@ -22,9 +21,8 @@ class PrefixCache:
     def chain(self, token_ids: list[int]) -> list[bytes]:
         hashes, parent = [], b""
         for start in range(0, len(token_ids) // self.BLOCK * self.BLOCK, self.BLOCK):
-            block = token_ids[start:start + self.BLOCK]
-            parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block),
-                                     digest_size=16).digest()
+            block = token_ids[start : start + self.BLOCK]
+            parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
             hashes.append(parent)
         return hashes
 

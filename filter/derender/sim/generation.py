@@ -94,6 +94,6 @@ async def _drop(request: web.Request) -> None:
     transport = request.transport
     if transport is None:
         return
-    while transport.get_write_buffer_size() and not transport.is_closing():
+    while transport.get_write_buffer_size() and not transport.is_closing():  # noqa: ASYNC110 - no event for a drained buffer
         await asyncio.sleep(0.001)
     transport.abort()

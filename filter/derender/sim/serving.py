@@ -11,10 +11,20 @@ from http import HTTPStatus
 import pydantic_core
 from aiohttp import web
 
-
-from .generation import _Died, _Disconnected, _Generation, _drop
-from .wire import (FLOOD_BYTES, MALFORMED, MAX_LOGPROBS, MAX_NUM_SEQS, RequestError, _ERROR_TYPES, _check_body, _err,
-                   _json_response, _validation_error, check_features)
+from .generation import _Died, _Disconnected, _drop, _Generation
+from .wire import (
+    _ERROR_TYPES,
+    FLOOD_BYTES,
+    MALFORMED,
+    MAX_LOGPROBS,
+    MAX_NUM_SEQS,
+    RequestError,
+    _check_body,
+    _err,
+    _json_response,
+    _validation_error,
+    check_features,
+)
 
 
 class Serving:
@@ -33,15 +43,27 @@ class Serving:
             bad_json = e
         try:
             if (code := self.http_error) is not None:
-                raise RequestError(f"simulated HTTP {code} error",
-                                   _ERROR_TYPES.get(code, HTTPStatus(code).phrase), code)
+                raise RequestError(
+                    f"simulated HTTP {code} error", _ERROR_TYPES.get(code, HTTPStatus(code).phrase), code
+                )
             if request.content_type != "application/json":
-                raise RequestError("1 validation error:\n  Unsupported Media Type: Only "
-                                   "'application/json' is allowed", "Bad Request", 400)
+                raise RequestError(
+                    "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                    "Bad Request",
+                    400,
+                )
             if bad_json is not None:
-                raise _validation_error([_err(
-                    "json_invalid", f"body.{getattr(bad_json, 'pos', 0)}", "JSON decode error",
-                    {}, error=getattr(bad_json, "msg", str(bad_json)))])
+                raise _validation_error(
+                    [
+                        _err(
+                            "json_invalid",
+                            f"body.{getattr(bad_json, 'pos', 0)}",
+                            "JSON decode error",
+                            {},
+                            error=getattr(bad_json, "msg", str(bad_json)),
+                        )
+                    ]
+                )
             if body is None:
                 raise _validation_error([_err("missing", "body", "Field required", None)])
             _check_body(body)
@@ -54,28 +76,39 @@ class Serving:
         sp, prompt = body["sampling_params"], body["token_ids"]
         base = request.headers.get("X-Request-Id", body.get("request_id"))
         if base is None:
-            base = "%016x" % random.getrandbits(64)  # vLLM's random_uuid()
+            base = f"{random.getrandbits(64):016x}"  # vLLM's random_uuid()
         if (sp.get("n") or 1) > MAX_NUM_SEQS:
-            raise RequestError(f"sampling_params.n must be at most the server's max_num_seqs"
-                               f" ({MAX_NUM_SEQS}), got {sp['n']}.")
+            raise RequestError(
+                f"sampling_params.n must be at most the server's max_num_seqs ({MAX_NUM_SEQS}), got {sp['n']}."
+            )
         if sp.get("stop"):
-            raise RequestError("stop strings are not supported on a --tokens-only server "
-                               "because detokenization is disabled. Check stop strings on the"
-                               " coordinator, or use stop_token_ids.")
+            raise RequestError(
+                "stop strings are not supported on a --tokens-only server "
+                "because detokenization is disabled. Check stop strings on the"
+                " coordinator, or use stop_token_ids."
+            )
         if (mode := body.get("output_mode", "tokens")) != "tokens":
-            raise RequestError(f"output_mode={mode!r} requires a tokenizer, but this server "
-                               "does not load one (--tokens-only or --skip-tokenizer-init). "
-                               "Send the request to a server that loads a tokenizer, or use "
-                               "output_mode='tokens'.")
+            raise RequestError(
+                f"output_mode={mode!r} requires a tokenizer, but this server "
+                "does not load one (--tokens-only or --skip-tokenizer-init). "
+                "Send the request to a server that loads a tokenizer, or use "
+                "output_mode='tokens'."
+            )
         if not sp.get("max_tokens") and len(prompt) > self.max_model_len:
-            raise RequestError(f"Input length ({len(prompt)}) exceeds model's maximum context"
-                               f" length ({self.max_model_len}).")
+            raise RequestError(
+                f"Input length ({len(prompt)}) exceeds model's maximum context length ({self.max_model_len})."
+            )
         try:
-            gen = _Generation(f"generate-tokens-{base}", self._plan(body), request,
-                              fault=self.fault, fault_after=self.fault_after,
-                              hold_after=self.hold_after)
+            gen = _Generation(
+                f"generate-tokens-{base}",
+                self._plan(body),
+                request,
+                fault=self.fault,
+                fault_after=self.fault_after,
+                hold_after=self.hold_after,
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise RequestError(f"simulator script error: {e}", "InternalServerError", 500)
+            raise RequestError(f"simulator script error: {e}", "InternalServerError", 500) from None
         self.running[gen.engine_id].add(gen)
         gen.cached_tokens = self.cache.cached_tokens(prompt)
         self.prompt_tokens += len(prompt)
@@ -96,7 +129,7 @@ class Serving:
             if not self.running[gen.engine_id]:
                 del self.running[gen.engine_id]
             for c in gen.choices:  # the KV of what was computed stays cached
-                self.cache.store(prompt + c.tokens[:c.sent])
+                self.cache.store(prompt + c.tokens[: c.sent])
 
     async def _hold(self, gen: _Generation) -> None:
         """Wait, sending nothing, until released, aborted or left by the client."""
@@ -119,9 +152,12 @@ class Serving:
 
     def _check_logprobs(self, k: int | None) -> None:  # SamplingParams.verify (engine side)
         if k is not None and (count := self.vocab_size if k == -1 else k) > MAX_LOGPROBS:
-            raise RequestError(f"Requested sample logprobs of {count}, which is greater than "
-                               f"max allowed: {MAX_LOGPROBS}", param="logprobs", value=count,
-                               client=True)
+            raise RequestError(
+                f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
+                param="logprobs",
+                value=count,
+                client=True,
+            )
 
     async def _full(self, gen: _Generation, body: dict) -> web.Response:
         """serve_tokens_full_generator + JSONResponse(model_dump())."""
@@ -137,14 +173,26 @@ class Serving:
         except _Died:
             await _drop(gen.request)
             return web.Response(status=499)  # never sent
-        return self._faulty(gen.fault, _json_response({
-            "request_id": gen.engine_id, "model": self.model_name, "created": created,
-            "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices), cached=self._cached(gen)),
-            "prompt_logprobs": None, "prompt_token_id_logprobs": None,
-            "prompt_token_ids": prompt if body.get("return_token_ids") else None,
-            "mm_placeholders": None, "metrics": None, "kv_transfer_params": self._kv_transfer(body, gen),
-            "ec_transfer_params": None, "output_mode": "tokens",
-            "choices": [self._choice(c, 0, c.sent, True, k) for c in gen.choices]}))
+        return self._faulty(
+            gen.fault,
+            _json_response(
+                {
+                    "request_id": gen.engine_id,
+                    "model": self.model_name,
+                    "created": created,
+                    "usage": self._usage(len(prompt), sum(c.sent for c in gen.choices), cached=self._cached(gen)),
+                    "prompt_logprobs": None,
+                    "prompt_token_id_logprobs": None,
+                    "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+                    "mm_placeholders": None,
+                    "metrics": None,
+                    "kv_transfer_params": self._kv_transfer(body, gen),
+                    "ec_transfer_params": None,
+                    "output_mode": "tokens",
+                    "choices": [self._choice(c, 0, c.sent, True, k) for c in gen.choices],
+                }
+            ),
+        )
 
     @staticmethod
     def _kv_transfer(body: dict, gen: _Generation) -> dict | None:
@@ -154,16 +202,26 @@ class Serving:
         if not isinstance(asked, dict) or not asked.get("do_remote_decode"):
             return None
         blocks = (len(body.get("token_ids") or ()) + 15) // 16
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(range(blocks)),
-                "remote_engine_id": "derender-sim", "remote_host": "127.0.0.1", "remote_port": 5600,
-                "tp_size": 1, "request_id": gen.engine_id}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(blocks)),
+            "remote_engine_id": "derender-sim",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "request_id": gen.engine_id,
+        }
 
     def _faulty(self, fault: str | None, response: web.Response) -> web.Response:
         """A malformed-output fault applied to a non-streaming body."""
         body = response.body
         if fault in ("garbage", "truncated_json", "flood"):
-            body = {"garbage": b"\x00\xff" + body, "truncated_json": body[: len(body) // 2],
-                    "flood": body + b" " * FLOOD_BYTES}[fault]
+            body = {
+                "garbage": b"\x00\xff" + body,
+                "truncated_json": body[: len(body) // 2],
+                "flood": body + b" " * FLOOD_BYTES,
+            }[fault]
         elif fault in ("unknown_output_mode", "out_of_vocab", "unknown_index"):
             data = json.loads(body)
             self._spoil(fault, data, data["choices"][0], len(data["choices"]))
@@ -182,8 +240,7 @@ class Serving:
             choice["index"] = n  # the choices are 0..n-1
 
     async def _stream(self, gen: _Generation, body: dict) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; "
-                                               "charset=utf-8"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         response.enable_chunked_encoding()
         await response.prepare(gen.request)
 
@@ -195,7 +252,7 @@ class Serving:
                     return
                 step = -(-len(frame) // self.split_writes)
                 for i in range(0, len(frame), step):
-                    await response.write(frame[i:i + step])
+                    await response.write(frame[i : i + step])
                     await asyncio.sleep(0.001)
             except ConnectionResetError as e:
                 raise _Disconnected from e
@@ -243,8 +300,11 @@ class Serving:
             await send(pydantic_core.to_json(chunk))
         if include_usage:  # dumped with exclude_none
             usage = self._usage(len(prompt), sum(generated), details=False, cached=self._cached(gen))
-            await send(pydantic_core.to_json({"request_id": gen.engine_id, "usage": usage,
-                                              "output_mode": "tokens", "choices": []}))
+            await send(
+                pydantic_core.to_json(
+                    {"request_id": gen.engine_id, "usage": usage, "output_mode": "tokens", "choices": []}
+                )
+            )
 
     async def _send_faulty(self, fault: str, chunk: dict, n: int, send) -> None:
         """This event, malformed as the fault says; the stream goes on afterwards."""
@@ -265,12 +325,10 @@ class Serving:
         try:
             body = json.loads(await request.read())
         except ValueError as e:
-            return _json_response(RequestError(f"JSON decode error: {e}", "Bad Request").body,
-                                  400)
+            return _json_response(RequestError(f"JSON decode error: {e}", "Bad Request").body, 400)
         ids = body.get("request_ids") if isinstance(body, dict) else None
         if ids is None:
-            return _json_response(RequestError("Missing 'request_ids' in request body",
-                                               "Bad Request").body, 400)
+            return _json_response(RequestError("Missing 'request_ids' in request body", "Bad Request").body, 400)
         for request_id in [ids] if isinstance(ids, str) else ids:
             self.aborted.append(request_id)
             for gen in self.running.get(request_id, ()):
@@ -286,18 +344,27 @@ class Serving:
         is not reading), the requests held by ``hold_after``, and the prompt tokens received
         ever and how many of them the prefix cache held, and (``--prefill-us-per-token``) each
         request's modelled time to first token: its wait for the prefill queue and its prefill."""
-        running = {eid: sum(c.sent for g in gens for c in g.choices)
-                   for eid, gens in self.running.items()}
-        blocked = sorted(eid for eid, gens in self.running.items() for g in gens
-                         if g.request.transport is not None and g.request.transport.get_write_buffer_size())
+        running = {eid: sum(c.sent for g in gens for c in g.choices) for eid, gens in self.running.items()}
+        blocked = sorted(
+            eid
+            for eid, gens in self.running.items()
+            for g in gens
+            if g.request.transport is not None and g.request.transport.get_write_buffer_size()
+        )
         held = sorted(g.engine_id for g in self.held)
-        return web.json_response({"received": self.received, "running": running, "blocked": blocked,
-                                  "held": held, "prompt_tokens": self.prompt_tokens,
-                                  "cached_prompt_tokens": self.cached_prompt_tokens,
-                                  "prefill_waits": list(self.prefill_waits)})
+        return web.json_response(
+            {
+                "received": self.received,
+                "running": running,
+                "blocked": blocked,
+                "held": held,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_prompt_tokens": self.cached_prompt_tokens,
+                "prefill_waits": list(self.prefill_waits),
+            }
+        )
 
     async def introspect(self, request: web.Request) -> web.Response:
         """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
         /sim/headers (request headers of /inference/v1/generate)."""
         return web.json_response(list(getattr(self, request.match_info["what"])))
-

@@ -13,19 +13,28 @@ from pathlib import Path
 from aiohttp import web
 from tokenizers import Tokenizer
 
-
 from .cache import PrefixCache
 from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
 from .serving import Serving
-from .wire import FAULTS, RequestError, _TURNS, _json_response, preload_features_decoder
+from .wire import _TURNS, FAULTS, RequestError, _json_response, preload_features_decoder
+
 
 class Simulator(Serving):
-    def __init__(self, model_dir: str, mode: str = "echo", script: str | None = None,
-                 tokens_per_event: int | str = 1, delay: float = 0.0,
-                 finish_only_tail: bool = False, error_after: int | None = None,
-                 http_error: int | None = None, prefix_cache_blocks: int = 0,
-                 prefill_us_per_token: float = 0.0, prompt_tokens_details: bool = False,
-                 lockstep: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        mode: str = "echo",
+        script: str | None = None,
+        tokens_per_event: int | str = 1,
+        delay: float = 0.0,
+        finish_only_tail: bool = False,
+        error_after: int | None = None,
+        http_error: int | None = None,
+        prefix_cache_blocks: int = 0,
+        prefill_us_per_token: float = 0.0,
+        prompt_tokens_details: bool = False,
+        lockstep: bool = False,
+    ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
         folder = Path(model_dir).expanduser()
@@ -41,9 +50,17 @@ class Simulator(Serving):
         self.vocab_size = config.get("vocab_size") or self.tokenizer.get_vocab_size()
         self.max_model_len = config.get("max_position_embeddings", 2048)
         self.model_name = model_dir  # what `vllm serve DIR` reports
-        self.configure(mode=mode, script=script, tokens_per_event=tokens_per_event, delay=delay,
-                       finish_only_tail=finish_only_tail, error_after=error_after,
-                       http_error=http_error, split_writes=1, lockstep=lockstep)
+        self.configure(
+            mode=mode,
+            script=script,
+            tokens_per_event=tokens_per_event,
+            delay=delay,
+            finish_only_tail=finish_only_tail,
+            error_after=error_after,
+            http_error=http_error,
+            split_writes=1,
+            lockstep=lockstep,
+        )
         self.clock = StepClock()
         self.requests: collections.deque = collections.deque(maxlen=50)
         self.headers: collections.deque = collections.deque(maxlen=50)  # of generate requests
@@ -61,12 +78,21 @@ class Simulator(Serving):
         self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details
 
-    def configure(self, mode: str | None = None, script: str | None = None,
-                  tokens_per_event: int | str | None = None, delay: float | None = None,
-                  finish_only_tail: bool | None = None, error_after: int | None = None,
-                  http_error: int | None = None, split_writes: int | None = None,
-                  fault: str | None = None, fault_after: int | None = None,
-                  hold_after: int | str | None = None, lockstep: bool | None = None) -> None:
+    def configure(
+        self,
+        mode: str | None = None,
+        script: str | None = None,
+        tokens_per_event: int | str | None = None,
+        delay: float | None = None,
+        finish_only_tail: bool | None = None,
+        error_after: int | None = None,
+        http_error: int | None = None,
+        split_writes: int | None = None,
+        fault: str | None = None,
+        fault_after: int | None = None,
+        hold_after: int | str | None = None,
+        lockstep: bool | None = None,
+    ) -> None:
         """Set the knobs for the requests that follow (also POST /sim/config).
 
         ``error_after``, ``http_error``, ``fault`` (at event ``fault_after``, see
@@ -122,7 +148,7 @@ class Simulator(Serving):
         found = next((f[-1] for p in _TURNS if (f := p.findall(text))), None)
         if found is None:
             found = self.tokenizer.decode(prompt, skip_special_tokens=True)[-200:]
-        return self.tokenizer.encode(found, add_special_tokens=False).ids + [self.eos]
+        return [*self.tokenizer.encode(found, add_special_tokens=False).ids, self.eos]
 
     def _logprobs(self, tok: int, pos: int, index: int, k: int, given: dict | None) -> dict:
         """The engine's {token_id: (logprob, rank)} at one position: the sampled token
@@ -133,14 +159,12 @@ class Simulator(Serving):
             def value(r: int) -> float:
                 return -round(0.05 + 0.5 * (r - 1) + 0.01 * ((pos + index) % 5), 4)
 
-            top = [(tok if r == rank else (tok + r) % self.vocab_size, value(r))
-                   for r in range(1, k + 1)]
+            top = [(tok if r == rank else (tok + r) % self.vocab_size, value(r)) for r in range(1, k + 1)]
             sampled = value(rank)
         else:
             top = [(int(t), float(lp)) for t, lp in given.get("top", [])]
             sampled, ids = float(given["logprob"]), [t for t, _ in top]
-            rank = given.get("rank") or (ids.index(tok) + 1 if tok in ids else
-                                         1 + sum(lp > sampled for _, lp in top))
+            rank = given.get("rank") or (ids.index(tok) + 1 if tok in ids else 1 + sum(lp > sampled for _, lp in top))
         entries = {tok: (sampled, rank)}
         entries.update((t, (lp, r)) for r, (t, lp) in enumerate(top[:k], 1))
         return entries
@@ -183,11 +207,18 @@ class Simulator(Serving):
                 left -= sizes[-1]
             steps = _stream_interval(sizes, sp.get("stream_interval") or 1)
             if steps is not None:
-                sizes = [sum(sizes[a:b]) for a, b in zip([0, *itertools.accumulate(steps)], itertools.accumulate(steps))]
+                sizes = [
+                    sum(sizes[a:b])
+                    for a, b in zip([0, *itertools.accumulate(steps)], itertools.accumulate(steps), strict=False)
+                ]
             given = line.get("logprobs") or []
-            logprobs = None if k is None else [
-                self._logprobs(t, p, index, k, given[p] if p < len(given) else None)
-                for p, t in enumerate(tokens)]
+            logprobs = (
+                None
+                if k is None
+                else [
+                    self._logprobs(t, p, index, k, given[p] if p < len(given) else None) for p, t in enumerate(tokens)
+                ]
+            )
             choices.append(_Choice(index, tokens, finish, stop_reason, sizes, logprobs, steps))
         return choices
 
@@ -199,7 +230,7 @@ class Simulator(Serving):
         for c in gen.choices:
             ends = [sum(c.sizes[: i + 1]) for i in range(len(c.sizes))]
             waits = c.steps or [1] * len(c.sizes)  # engine steps before each event
-            events = [(c, end - size, end, False, w) for size, end, w in zip(c.sizes, ends, waits)]
+            events = [(c, end - size, end, False, w) for size, end, w in zip(c.sizes, ends, waits, strict=False)]
             if self.finish_only_tail or not events:
                 events.append((c, len(c.tokens), len(c.tokens), True, 1))
             else:
@@ -246,8 +277,7 @@ class Simulator(Serving):
     def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict:
         """vLLM's UsageInfo; ``cached``: the prompt tokens found in the prefix cache, which vLLM
         reports (``prompt_tokens_details.cached_tokens``) with --enable-prompt-tokens-details."""
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
-                 "completion_tokens": completion}
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
         if details:
             usage.update(prompt_tokens_details=None, completion_tokens_details=None)
         if cached is not None:
@@ -263,14 +293,26 @@ class Simulator(Serving):
             lp = -9999.0 if math.isnan(lp) else max(lp, -9999.0)
             return {"token_id": t, "logprob": lp, "rank": rank or None}
 
-        logprobs = None if k is None else {"content": [
-            {**entry(tok, *lps[tok]), "top_logprobs": [entry(t, *v) for t, v in lps.items()]}
-            for tok, lps in zip(c.tokens[start:end], c.logprobs[start:end])]}
-        return {"index": c.index, "finish_reason": c.finish if final else None,
-                "stop_reason": c.stop_reason if final else None,
-                "token_ids": c.tokens[start:end], "routed_experts": None,
-                "sampling_mask": None, "weight_versions": None, "logprobs": logprobs}
-
+        logprobs = (
+            None
+            if k is None
+            else {
+                "content": [
+                    {**entry(tok, *lps[tok]), "top_logprobs": [entry(t, *v) for t, v in lps.items()]}
+                    for tok, lps in zip(c.tokens[start:end], c.logprobs[start:end], strict=False)
+                ]
+            }
+        )
+        return {
+            "index": c.index,
+            "finish_reason": c.finish if final else None,
+            "stop_reason": c.stop_reason if final else None,
+            "token_ids": c.tokens[start:end],
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": None,
+            "logprobs": logprobs,
+        }
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)  # vLLM's server sets no body limit (images' tensors)
@@ -283,8 +325,6 @@ class Simulator(Serving):
         app.router.add_get("/sim/{what:aborted|disconnected|requests|headers}", self.introspect)
         app.router.add_get("/sim/stats", self.stats)
         return app
-
-
 
 
 SIMULATOR = web.AppKey("simulator", Simulator)  # app[SIMULATOR] is the Simulator

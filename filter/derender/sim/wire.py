@@ -8,22 +8,24 @@ import re
 
 from aiohttp import web
 
-
 MAX_NUM_SEQS = 256  # vLLM's scheduler default
 MAX_LOGPROBS = 20  # ModelConfig.max_logprobs default
 _TURNS = (  # last user turn: ChatML (Qwen), DeepSeek, Harmony (gpt-oss)
-    re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S),
-    re.compile(r"<｜User｜>(.*?)(?=<｜Assistant｜>|<｜User｜>|$)", re.S),
-    re.compile(r"<\|start\|>user<\|message\|>(.*?)<\|end\|>", re.S),
+    re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.DOTALL),
+    re.compile(r"<｜User｜>(.*?)(?=<｜Assistant｜>|<｜User｜>|$)", re.DOTALL),
+    re.compile(r"<\|start\|>user<\|message\|>(.*?)<\|end\|>", re.DOTALL),
 )
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 _SP = "body.sampling_params"
 # Producer faults (knob ``fault``, at event ``fault_after``, for the requests that follow): malformed
 # SSE, or a producer that dies (closes the connection without ending the body) or stalls (sends
 # nothing, keeps it open; setting fault "die" meanwhile makes a stalled request die).
-MALFORMED = ("garbage", "truncated_json", "unknown_output_mode", "out_of_vocab", "unknown_index",
-             "flood")
+MALFORMED = ("garbage", "truncated_json", "unknown_output_mode", "out_of_vocab", "unknown_index", "flood")
 FAULTS = (*MALFORMED, "die", "stall")
 FLOOD_BYTES = 65 << 20  # "flood": one line longer than the filter's 64 MiB event bound
 
@@ -31,8 +33,15 @@ FLOOD_BYTES = 65 << 20  # "flood": one line longer than the filter's 64 MiB even
 class RequestError(Exception):
     """vLLM's ErrorResponse: a JSON body, or an SSE event once streaming."""
 
-    def __init__(self, message: str, type_: str = "BadRequestError", code: int = 400,
-                 param: str | None = None, value: object = None, client: bool = False):
+    def __init__(
+        self,
+        message: str,
+        type_: str = "BadRequestError",
+        code: int = 400,
+        param: str | None = None,
+        value: object = None,
+        client: bool = False,
+    ):
         if client and param is not None:  # VLLMValidationError.__str__
             message += f" (parameter={param}, value={value})"
         super().__init__(message)
@@ -52,13 +61,13 @@ def _err(type_: str, loc: str, msg: str, value: object, **ctx) -> dict:
 
 def _int_err(loc: str, value: object) -> dict:  # lax numeric strings count as errors here
     if isinstance(value, str):
-        return _err("int_parsing", loc, "Input should be a valid integer, unable to parse "
-                    "string as an integer", value)
+        return _err("int_parsing", loc, "Input should be a valid integer, unable to parse string as an integer", value)
     return _err("int_type", loc, "Input should be a valid integer", value)
 
 
 def _validation_error(errors: list[dict]) -> RequestError:
     """RequestValidationError as vLLM's handler renders it (inputs summarized)."""
+
     def summarize(v: object) -> object:
         if isinstance(v, (list, tuple, dict)):
             return f"<{type(v).__name__} of {len(v)} items>"
@@ -73,24 +82,38 @@ def _validation_error(errors: list[dict]) -> RequestError:
 def _check_body(body: object) -> None:
     """GenerateRequest validation as vLLM reports it (pydantic's common cases)."""
     if not isinstance(body, dict):
-        raise _validation_error([_err("model_attributes_type", "body", "Input should be a "
-                                      "valid dictionary or object to extract fields from", body)])
+        raise _validation_error(
+            [
+                _err(
+                    "model_attributes_type",
+                    "body",
+                    "Input should be a valid dictionary or object to extract fields from",
+                    body,
+                )
+            ]
+        )
     errors, ids, sp = [], body.get("token_ids"), body.get("sampling_params")
-    not_sp = _err("is_instance_of", _SP, "Input should be an instance of SamplingParams", sp,
-                  **{"class": "SamplingParams"})
+    not_sp = _err(
+        "is_instance_of", _SP, "Input should be an instance of SamplingParams", sp, **{"class": "SamplingParams"}
+    )
     if isinstance(sp, dict):
         n, max_tokens, logprobs = (sp.get(f) for f in ("n", "max_tokens", "logprobs"))
-        if bad := [f for f in ("n", "max_tokens", "logprobs") if f in sp
-                   and type(sp[f]) is not int and (sp[f] is not None or f == "n")]:
+        if bad := [
+            f
+            for f in ("n", "max_tokens", "logprobs")
+            if f in sp and type(sp[f]) is not int and (sp[f] is not None or f == "n")
+        ]:
             errors += [not_sp] + [_int_err(f"{_SP}.{f}", sp[f]) for f in bad]
         elif n is not None and n < 1:  # SamplingParams.__post_init__ raises past pydantic
             raise RequestError(f"n must be at least 1, got {n}.")
         elif max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {max_tokens}.",
-                               param="max_tokens", value=max_tokens, client=True)
+            raise RequestError(
+                f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens", value=max_tokens, client=True
+            )
         elif logprobs is not None and logprobs < -1:
-            raise RequestError(f"logprobs must be non-negative or -1, got {logprobs}.",
-                               param="logprobs", value=logprobs, client=True)
+            raise RequestError(
+                f"logprobs must be non-negative or -1, got {logprobs}.", param="logprobs", value=logprobs, client=True
+            )
     elif sp is None:
         errors.append(_err("missing", _SP, "Field required", body))
     else:
@@ -103,13 +126,21 @@ def _check_body(body: object) -> None:
     elif bad := [i for i, t in enumerate(ids) if type(t) is not int]:
         errors[:0] = [_int_err(f"{loc}.{i}", ids[i]) for i in bad]
     elif not ids:
-        errors.insert(0, _err("too_short", loc, "List should have at least 1 item after "
-                              "validation, not 0", ids, field_type="List", min_length=1,
-                              actual_length=0))
+        errors.insert(
+            0,
+            _err(
+                "too_short",
+                loc,
+                "List should have at least 1 item after validation, not 0",
+                ids,
+                field_type="List",
+                min_length=1,
+                actual_length=0,
+            ),
+        )
     elif any(t < 0 for t in ids):
         msg = "token_ids must not contain negative values"
-        errors.insert(0, _err("value_error", loc, f"Value error, {msg}", ids,
-                              error=ValueError(msg)))
+        errors.insert(0, _err("value_error", loc, f"Value error, {msg}", ids, error=ValueError(msg)))
     if errors:
         raise _validation_error(errors)
 

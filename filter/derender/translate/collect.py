@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .stream import choice_outputs, producer_error_event, step_event
 from .errors import HTTPError
 from .model import Model
 from .outputs import ProducerError
 from .render import Rendered
 from .sse import SSEDecoder, SSEError
+from .stream import choice_outputs, producer_error_event, step_event
 
 
 class Collected:
@@ -77,4 +77,3 @@ class Collected:
     def close(self) -> None:
         """Nothing runs between events: nothing to shut."""
         self.finished = True
-

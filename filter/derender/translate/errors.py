@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 from types import SimpleNamespace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -33,7 +34,7 @@ class HTTPError(Exception):
         return error_body(self.status, self.message, self.type, self.param)
 
     @classmethod
-    def from_vllm(cls, response: Any) -> "HTTPError":
+    def from_vllm(cls, response: Any) -> HTTPError:
         """From a vLLM ``ErrorResponse``."""
         e = response.error
         return cls(e.code, e.message, e.type, e.param)
@@ -84,7 +85,9 @@ def dumps(content: Any) -> bytes:
 
 
 def error_body(status: int, message: str, err_type: str | None = None, param: str | None = None) -> bytes:
-    return dumps({"error": {"message": message, "type": err_type or _default_type(status), "param": param, "code": status}})
+    return dumps(
+        {"error": {"message": message, "type": err_type or _default_type(status), "param": param, "code": status}}
+    )
 
 
 def error_event(status: int, message: str, err_type: str | None = None, param: str | None = None) -> bytes:

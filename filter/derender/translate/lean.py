@@ -101,8 +101,13 @@ def one_choice_event(payload: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     choices = event.get("choices")
-    if ("error" in event or event.get("output_mode", "tokens") != "tokens" or type(choices) is not list
-            or len(choices) != 1 or type(choices[0]) is not dict):
+    if (
+        "error" in event
+        or event.get("output_mode", "tokens") != "tokens"
+        or type(choices) is not list
+        or len(choices) != 1
+        or type(choices[0]) is not dict
+    ):
         return None
     return event
 
@@ -110,7 +115,7 @@ def one_choice_event(payload: bytes) -> dict[str, Any] | None:
 class _Frame:
     """What the lean path takes from vLLM's running generator, and the chunk's two halves."""
 
-    __slots__ = ("processors", "generated", "reasoning_details", "fields", "head", "tail")
+    __slots__ = ("fields", "generated", "head", "processors", "reasoning_details", "tail")
 
     def __init__(self, raw: Any, serving: Any) -> None:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -119,8 +124,12 @@ class _Frame:
         self.processors = local["processors"]
         self.generated = local["generated_token_ids"]
         self.reasoning_details = bool(serving._include_reasoning_tokens_details)
-        self.fields = {"id": local["request_id"], "object": local["chunk_object_type"],
-                       "created": local["created_time"], "model": local["model_name"]}
+        self.fields = {
+            "id": local["request_id"],
+            "object": local["chunk_object_type"],
+            "created": local["created_time"],
+            "model": local["model_name"],
+        }
         # The chunk of the generator's middle branch, with a marker for the delta: vLLM's models
         # serialize everything around the delta once, here, exactly as they would every time.
         chunk = self.chunk(DeltaMessage(content=MARK))
@@ -138,8 +147,9 @@ class _Frame:
             ChatCompletionStreamResponse,
         )
 
-        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None, finish_reason=None,
-                                                    token_ids=None)
+        choice = ChatCompletionResponseStreamChoice(
+            index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
+        )
         # kv_transfer_params: the generator sets it (None) on every token chunk
         return ChatCompletionStreamResponse(choices=[choice], kv_transfer_params=None, **self.fields)
 
@@ -151,16 +161,23 @@ class LeanChatStream(ChatStream):
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self._raw: Any = None
-        self._frame: _Frame | None | bool = None  # False: vLLM's path for the whole stream
+        self._frame: _Frame | bool | None = None  # False: vLLM's path for the whole stream
         self._lean: list[bytes] = []
         self.handled = 0  # outputs the lean path did itself
         self.direct = 0  # of those, events done without a RequestOutput (``_direct``)
         super().__init__(model, rendered)
 
     def feed(self, payload: bytes) -> tuple[bytes, bool]:
-        if (self.outputs.direct_state is not None and isinstance(self._frame, _Frame) and not self._queue
-                and self._taken and self._failure is None and not self._ended and not self.finished
-                and not self._early):
+        if (
+            self.outputs.direct_state is not None
+            and isinstance(self._frame, _Frame)
+            and not self._queue
+            and self._taken
+            and self._failure is None
+            and not self._ended
+            and not self.finished
+            and not self._early
+        ):
             data = self._direct(payload)
             if data is not None:
                 return data, False
@@ -191,8 +208,9 @@ class LeanChatStream(ChatStream):
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
         serving = self._serving_chat = self._serving(model)
-        self._raw = serving.chat_completion_stream_generator_raw(*self._generator_args(model, rendered),
-                                                                 chat_template_kwargs=rendered.chat_template_kwargs)
+        self._raw = serving.chat_completion_stream_generator_raw(
+            *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
+        )
         return _serialized(serving, self._raw)
 
     def _accept(self, outputs: list[Any]) -> None:

@@ -23,6 +23,7 @@ text) takes vLLM's own path unchanged.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -142,7 +143,7 @@ def pieces(tokenizer: Any, text: str) -> list[str]:
     ids = [e.ids for e in tokenizer._tokenizer.encode_batch_fast(windows, add_special_tokens=False)]
     cuts = [cut for k, cut in enumerate(candidates) if ids[3 * k] == ids[3 * k + 1] + ids[3 * k + 2]]
     edges = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(edges, edges[1:])]
+    return [text[a:b] for a, b in itertools.pairwise(edges)]
 
 
 def encode(tokenizer: Any, parts: list[str]) -> list[int]:

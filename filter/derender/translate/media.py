@@ -59,7 +59,9 @@ def install(networks: tuple[str, ...] | list[str] = ()) -> None:
                 raise ForbiddenAddress(
                     f"Media URL host {host!r} resolves to {refused[0]}, an address this gateway does not fetch "
                     "from (loopback, private, link-local or reserved; see --allowed-media-networks)",
-                    parameter="image_url", value=host)
+                    parameter="image_url",
+                    value=host,
+                )
             return hosts
 
     from vllm.multimodal.media.connector import MediaConnector

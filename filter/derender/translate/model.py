@@ -115,7 +115,7 @@ class _EngineStandIn:
 
     def check_admission(self, *args: Any, **kwargs: Any) -> None:
         """Admission (queue limits) is the producer's: it answers 503 itself when full."""
-        return None
+        return
 
     async def add_lora(self, lora_request: Any) -> bool:
         """A LoRA adapter is the producers' to load (``--lora-modules`` there too): nothing to load here."""
@@ -185,7 +185,9 @@ class Model:
         self.parser_cls = self.online_renderer.parser
         self.use_harmony = model_config.hf_config.model_type == "gpt_oss"
         # The reasoning parser's name, as ``vllm serve`` resolves it (every serving object takes it).
-        self.reasoning_parser: str = args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or ""
+        self.reasoning_parser: str = (
+            args.reasoning_parser or vllm_config.structured_outputs_config.reasoning_parser or ""
+        )
         self.serving_chat = self.vllm_serving(OpenAIServingChat)
         # The producers' prefix-cache hits, passed on in every endpoint's usage (outputs.LateCount).
         self.prompt_tokens_details: bool = bool(args.enable_prompt_tokens_details)
@@ -251,4 +253,3 @@ def _with_adapters(registry: Any, vllm_config: Any, state: Any, lora_modules: li
     for serving in (state.serving_render, state.serving_tokenization):
         serving.models = models
     return models
-

@@ -41,7 +41,7 @@ class LateCount:
     every output carries this one object, whose value is set when the usage arrives. Sums
     (Harmony's Responses context adds it up per output) stay late too."""
 
-    __slots__ = ("value", "_parts")
+    __slots__ = ("_parts", "value")
 
     def __init__(self, parts: tuple = ()) -> None:
         self.value = 0
@@ -130,9 +130,15 @@ class ChoiceOutputs:
         state = self.processor.request_states.get(self.child_ids[0]) if self.n == 1 else None
         if state is None or state.detokenizer is None or state.logprobs_processor is None:
             return None
-        if (self.num_logprobs is not None or params.prompt_logprobs is not None or state.detokenizer.stop
-                or state.stream_interval != 1 or state.output_kind != RequestOutputKind.DELTA
-                or state.parent_req is not None or state.streaming_input):
+        if (
+            self.num_logprobs is not None
+            or params.prompt_logprobs is not None
+            or state.detokenizer.stop
+            or state.stream_interval != 1
+            or state.output_kind != RequestOutputKind.DELTA
+            or state.parent_req is not None
+            or state.streaming_input
+        ):
             return None
         return state
 
@@ -149,9 +155,7 @@ class ChoiceOutputs:
         if self.finished[index]:
             return None
         token_ids = choice.get("token_ids") or []
-        if not isinstance(token_ids, list) or not all(
-            type(t) is int and 0 <= t < self.vocab_size for t in token_ids
-        ):
+        if not isinstance(token_ids, list) or not all(type(t) is int and 0 <= t < self.vocab_size for t in token_ids):
             raise ProducerError(f"producer sent token ids outside the vocabulary (size {self.vocab_size})")
         reason = choice.get("finish_reason")
         finish = None
@@ -259,9 +263,7 @@ class ChoiceOutputs:
         """The engine's per-position rows: sampled token first, then top-k by rank."""
         content = (logprobs or {}).get("content") or []
         if len(content) != len(token_ids):
-            raise ProducerError(
-                f"producer sent {len(content)} logprob entries for {len(token_ids)} tokens"
-            )
+            raise ProducerError(f"producer sent {len(content)} logprob entries for {len(token_ids)} tokens")
         k = self.num_logprobs
         rows_ids, rows_lps, ranks = [], [], []
         for entry in content:

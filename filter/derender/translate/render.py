@@ -85,9 +85,11 @@ def media_of(features: Any) -> tuple[tuple[str, int, int], ...]:
     sorted by offset: what vLLM's prefix-cache block hashes carry of them."""
     if features is None:
         return ()
-    items = [(digest, r.offset, r.length)
-             for modality, digests in features.mm_hashes.items()
-             for digest, r in zip(digests, features.mm_placeholders.get(modality, ()))]
+    items = [
+        (digest, r.offset, r.length)
+        for modality, digests in features.mm_hashes.items()
+        for digest, r in zip(digests, features.mm_placeholders.get(modality, ()), strict=False)
+    ]
     return tuple(sorted(items, key=lambda item: item[1]))
 
 

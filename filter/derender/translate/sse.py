@@ -39,9 +39,14 @@ class SSEDecoder:
         if not chunk:
             return []
         if (  # the common case at production pacing: one whole event, alone in its chunk
-            not self._parts and not self._data and not self._after_cr
-            and chunk.startswith(b"data: ") and chunk.endswith(b"\n\n") and 8 < len(chunk) <= self.max_event_bytes
-            and chunk.count(b"\n") == 2 and b"\r" not in chunk
+            not self._parts
+            and not self._data
+            and not self._after_cr
+            and chunk.startswith(b"data: ")
+            and chunk.endswith(b"\n\n")
+            and 8 < len(chunk) <= self.max_event_bytes
+            and chunk.count(b"\n") == 2
+            and b"\r" not in chunk
         ):
             return [chunk[6:-2]]
         payloads: list[bytes] = []

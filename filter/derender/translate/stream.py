@@ -72,8 +72,9 @@ class ChatStream:
 
     def _generator(self, model: Model, rendered: Rendered):
         """vLLM's stream generator for this endpoint, fed from ``self._results()``."""
-        return self._serving(model).chat_completion_stream_generator(*self._generator_args(model, rendered),
-                                                                     chat_template_kwargs=rendered.chat_template_kwargs)
+        return self._serving(model).chat_completion_stream_generator(
+            *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
+        )
 
     def _generator_args(self, model: Model, rendered: Rendered) -> tuple:
         """What vLLM's chat stream generators take, in order, for this stream."""
@@ -203,7 +204,9 @@ class UnexpectedAwait(RuntimeError):
     """A generator driven by hand awaited something other than the next event."""
 
 
-def advance(agen: Any, step: Any, emit: Any, throw: BaseException | None = None) -> tuple[Any, Any, BaseException | None]:
+def advance(
+    agen: Any, step: Any, emit: Any, throw: BaseException | None = None
+) -> tuple[Any, Any, BaseException | None]:
     """Run the async generator ``agen`` -- its suspended ``step`` (``throw`` thrown into it first, if
     given), or a new step -- until it awaits something. Returns its suspended step and what it
     awaits (``WAIT``: the next event); (None, None, None) once it has ended; (None, None, error) when

@@ -60,7 +60,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if name == "torchvision":
             uninstall()
             _prepare()
-        return None  # the ordinary finders import it
+        return  # the ordinary finders import it
 
 
 _finder = _Finder()

@@ -42,8 +42,10 @@ def ensure_torchvision() -> None:
     import torchvision
 
     if torchvision_ops.declared:
-        log.info("torchvision %s without its compiled ops (a CUDA build beside CPU torch): transforms only",
-                 torchvision.__version__)
+        log.info(
+            "torchvision %s without its compiled ops (a CUDA build beside CPU torch): transforms only",
+            torchvision.__version__,
+        )
 
 
 def register_in_process(model: str) -> None:
@@ -72,7 +74,8 @@ def check_dense(engine_input: Any) -> None:
                     f"This model marks only some of an {modality} item's placeholder tokens as embeddings "
                     "(sparse placeholders); vLLM's generate wire carries a placeholder's offset and length "
                     f"only, so disaggregated serving cannot send this {modality} to a producer exactly.",
-                    parameter=f"{modality}_url")
+                    parameter=f"{modality}_url",
+                )
 
 
 def guard_features(serving_render: Any) -> None:

@@ -30,4 +30,4 @@ from .server import Server, tls_context
 from .streams import Handler, Methods, Stream
 from .wire import *  # noqa: F403 - the protocol's numbers, ``frame``, ``Limits``, ``Status``
 
-__all__ = ["EOF", "Connection", "Server", "tls_context", "Handler", "Methods", "Stream"]
+__all__ = ["EOF", "Connection", "Handler", "Methods", "Server", "Stream", "tls_context"]

@@ -26,11 +26,35 @@ from .control import ControlSide
 from .headers import Codec, HeaderSide
 from .streams import StreamSide
 from .wire import (
-    CONTINUATION, DATA, DEFAULT_MAX_FRAME, DEFAULT_WINDOW, END_STREAM, ENHANCE_YOUR_CALM,
-    FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, NO_ERROR, PADDED, PING, PREFACE, PRIORITY,
-    PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM, SETTINGS, SETTINGS_ENABLE_PUSH,
-    SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_CLOSED,
-    WINDOW_UPDATE, ConnectionError_, StreamError, TokenBucket, frame,
+    CONTINUATION,
+    DATA,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    STREAM_CLOSED,
+    WINDOW_UPDATE,
+    ConnectionError_,
+    StreamError,
+    TokenBucket,
+    frame,
 )
 
 if TYPE_CHECKING:
@@ -175,16 +199,28 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
         if len(server.connections) >= self.limits.max_connections:
             self.ending = True
             server.defended("max_connections", "HTTP/2 connection refused: too many connections")
-            transport.write(frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, bytes(4) + ENHANCE_YOUR_CALM.to_bytes(4, "big")))
+            transport.write(
+                frame(SETTINGS, 0, 0) + frame(GOAWAY, 0, 0, bytes(4) + ENHANCE_YOUR_CALM.to_bytes(4, "big"))
+            )
             transport.close()
             return
         server.connections.add(self)
         limits = self.limits
-        settings = struct.pack(">HIHIHIHI", SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams,
-                               SETTINGS_INITIAL_WINDOW_SIZE, self.stream_window,
-                               SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_header_list, SETTINGS_ENABLE_PUSH, 0)
-        transport.write(frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, (self.recv_window - DEFAULT_WINDOW).to_bytes(4, "big")))
+        settings = struct.pack(
+            ">HIHIHIHI",
+            SETTINGS_MAX_CONCURRENT_STREAMS,
+            limits.max_concurrent_streams,
+            SETTINGS_INITIAL_WINDOW_SIZE,
+            self.stream_window,
+            SETTINGS_MAX_HEADER_LIST_SIZE,
+            limits.max_header_list,
+            SETTINGS_ENABLE_PUSH,
+            0,
+        )
+        transport.write(
+            frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, (self.recv_window - DEFAULT_WINDOW).to_bytes(4, "big"))
+        )
         self.settings_sent_at = self.loop.time()
         if server.draining:
             self.goaway()
@@ -208,22 +244,22 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
                 if not PREFACE.startswith(bytes(buffer)):
                     self.fail(ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface"))
                 return
-            if buffer[:len(PREFACE)] != PREFACE:
+            if buffer[: len(PREFACE)] != PREFACE:
                 self.fail(ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface"))
                 return
-            del buffer[:len(PREFACE)]
+            del buffer[: len(PREFACE)]
             self.preface = True
         at, size = 0, len(buffer)
         try:
             while size - at >= 9:
-                length = int.from_bytes(buffer[at:at + 3], "big")
+                length = int.from_bytes(buffer[at : at + 3], "big")
                 if length > DEFAULT_MAX_FRAME:  # the filter never raises SETTINGS_MAX_FRAME_SIZE
                     raise ConnectionError_(FRAME_SIZE_ERROR, f"a {length}-byte frame", "frame_size")
                 if size - at - 9 < length:
                     break
                 kind, flags = buffer[at + 3], buffer[at + 4]
-                stream_id = int.from_bytes(buffer[at + 5:at + 9], "big") & 0x7FFFFFFF
-                payload = bytes(buffer[at + 9:at + 9 + length])
+                stream_id = int.from_bytes(buffer[at + 5 : at + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buffer[at + 9 : at + 9 + length])
                 at += 9 + length
                 try:
                     self._frame(kind, flags, stream_id, payload)
@@ -275,7 +311,7 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
             return payload
         if not payload or payload[0] >= len(payload):
             raise ConnectionError_(PROTOCOL_ERROR, "bad padding")
-        return payload[1:len(payload) - payload[0]]
+        return payload[1 : len(payload) - payload[0]]
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         size = len(payload)

@@ -17,8 +17,20 @@ from hpack import Decoder, Encoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
 from .wire import (
-    COMPRESSION_ERROR, CONTINUATION, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, HEADERS,
-    PRIORITY_FLAG, PROTOCOL_ERROR, RESOURCE_EXHAUSTED, STREAM_CLOSED, UNIMPLEMENTED, ConnectionError_, StreamError,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FRAME_SIZE_ERROR,
+    HEADERS,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    RESOURCE_EXHAUSTED,
+    STREAM_CLOSED,
+    UNIMPLEMENTED,
+    ConnectionError_,
+    StreamError,
     frame,
 )
 
@@ -61,7 +73,9 @@ class Codec:
         try:
             fields = self.decoder.decode(block, raw=True)
         except OversizedHeaderListError:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block decodes past its bound", "continuation_flood") from None
+            raise ConnectionError_(
+                ENHANCE_YOUR_CALM, "header block decodes past its bound", "continuation_flood"
+            ) from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"HPACK: {exc}") from None
         if sum(len(n) + len(v) + 32 for n, v in fields) > self.max_header_list:
@@ -80,7 +94,7 @@ class Codec:
         out = [frame(HEADERS, flags, stream_id, block[:max_frame])]
         for at in range(max_frame, len(block), max_frame):
             last = at + max_frame >= len(block)
-            out.append(frame(CONTINUATION, END_HEADERS if last else 0, stream_id, block[at:at + max_frame]))
+            out.append(frame(CONTINUATION, END_HEADERS if last else 0, stream_id, block[at : at + max_frame]))
         return b"".join(out)
 
 
@@ -137,7 +151,7 @@ def trailers(fields: list[tuple[bytes, bytes]]) -> None:
 
 
 class HeaderBlock:
-    __slots__ = ("stream_id", "flags", "data", "frames", "dependency")
+    __slots__ = ("data", "dependency", "flags", "frames", "stream_id")
 
     def __init__(self, stream_id: int, flags: int, data: bytes, dependency: int | None) -> None:
         self.stream_id = stream_id

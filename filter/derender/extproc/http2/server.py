@@ -8,7 +8,7 @@ import logging
 import ssl as ssl_
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 from .connection import Connection
 from .streams import Methods
@@ -25,8 +25,9 @@ class Server:
     ``on_defence(name)`` is told each time a defence acts (``derender.ops.metrics`` counts them);
     ``defences`` keeps the same counts."""
 
-    def __init__(self, methods: Methods, limits: Limits | None = None,
-                 on_defence: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, methods: Methods, limits: Limits | None = None, on_defence: Callable[[str], None] | None = None
+    ) -> None:
         self.methods = methods
         self.limits = limits or Limits()
         self.on_defence = on_defence
@@ -55,19 +56,31 @@ class Server:
         else:
             self._logged[name] = (last, since + 1)
 
-    async def start(self, host: str | list[str], port: int, reuse_port: bool = False,
-                    ssl: ssl_.SSLContext | None = None) -> None:
+    async def start(
+        self, host: str | list[str], port: int, reuse_port: bool = False, ssl: ssl_.SSLContext | None = None
+    ) -> None:
         loop = asyncio.get_running_loop()
         extra = {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
         hosts = [h.strip("[]") for h in ([host] if isinstance(host, str) else host)]
-        self._server = await loop.create_server(lambda: Connection(self), [h for h in hosts if h] or None, port,
-                                                reuse_port=reuse_port, backlog=1024, **extra)
+        self._server = await loop.create_server(
+            lambda: Connection(self),
+            [h for h in hosts if h] or None,
+            port,
+            reuse_port=reuse_port,
+            backlog=1024,
+            **extra,
+        )
         self._sweep = loop.create_task(self._sweep_timers())
 
     async def _sweep_timers(self) -> None:
         limits = self.limits
-        every = min(1.0, limits.preface_timeout / 4, limits.settings_timeout / 4, limits.keepalive_timeout / 4,
-                    limits.idle_timeout / 4)
+        every = min(
+            1.0,
+            limits.preface_timeout / 4,
+            limits.settings_timeout / 4,
+            limits.keepalive_timeout / 4,
+            limits.idle_timeout / 4,
+        )
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(every)
@@ -90,7 +103,7 @@ class Server:
             connection.goaway()
         if grace:
             deadline = asyncio.get_running_loop().time() + grace
-            while self.streams() and asyncio.get_running_loop().time() < deadline:
+            while self.streams() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110 - a count over many connections
                 await asyncio.sleep(0.05)
         tasks = []
         for connection in list(self.connections):

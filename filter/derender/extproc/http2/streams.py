@@ -9,14 +9,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
 from .control import BY_US, ENDED
 from .wire import (
-    CANCELLED, DATA, END_STREAM, INTERNAL_ERROR, NO_ERROR, OK, PROTOCOL_ERROR, RESOURCE_EXHAUSTED, RESPONSE_HEADERS,
-    RST_STREAM, UNIMPLEMENTED, UNKNOWN, WINDOW_UPDATE, Status, StreamError, frame, percent,
+    CANCELLED,
+    DATA,
+    END_STREAM,
+    INTERNAL_ERROR,
+    NO_ERROR,
+    OK,
+    PROTOCOL_ERROR,
+    RESOURCE_EXHAUSTED,
+    RESPONSE_HEADERS,
+    RST_STREAM,
+    UNIMPLEMENTED,
+    UNKNOWN,
+    WINDOW_UPDATE,
+    Status,
+    StreamError,
+    frame,
+    percent,
 )
 
 # handler(read, write): read() -> the next request message, or EOF once the peer is done sending;
@@ -31,12 +46,35 @@ MESSAGE_OVERHEAD = 64
 
 
 class Stream:
-    __slots__ = ("id", "parse", "buffer", "need", "inbox", "waiter", "task", "window", "pending", "drained",
-                 "started", "ended", "remote_closed", "trailers", "recv_window", "unacked", "content_length",
-                 "received")
+    __slots__ = (
+        "buffer",
+        "content_length",
+        "drained",
+        "ended",
+        "id",
+        "inbox",
+        "need",
+        "parse",
+        "pending",
+        "received",
+        "recv_window",
+        "remote_closed",
+        "started",
+        "task",
+        "trailers",
+        "unacked",
+        "waiter",
+        "window",
+    )
 
-    def __init__(self, stream_id: int, parse: Callable[[bytes], object], window: int, recv_window: int,
-                 content_length: int | None) -> None:
+    def __init__(
+        self,
+        stream_id: int,
+        parse: Callable[[bytes], object],
+        window: int,
+        recv_window: int,
+        content_length: int | None,
+    ) -> None:
         self.id = stream_id
         self.parse = parse
         self.buffer = bytearray()  # the message being received, its 5-byte prefix first
@@ -312,13 +350,17 @@ class StreamSide:
                 self._flush(stream)
 
     def _status_fields(self, status: int, why: str) -> list[tuple[str, str]]:
-        return [("grpc-status", str(status))] + ([("grpc-message", percent(why, self.limits.max_status_message))]
-                                                 if why else [])
+        return [("grpc-status", str(status))] + (
+            [("grpc-message", percent(why, self.limits.max_status_message))] if why else []
+        )
 
     def _trailers_only(self, stream_id: int, status: int, why: str, ended: int) -> None:
         """A stream answered by its status alone; reset as well if the peer is still sending on it."""
-        self._write(self.codec.frames(stream_id, [*RESPONSE_HEADERS, *self._status_fields(status, why)], END_STREAM,
-                                      self.max_frame))
+        self._write(
+            self.codec.frames(
+                stream_id, [*RESPONSE_HEADERS, *self._status_fields(status, why)], END_STREAM, self.max_frame
+            )
+        )
         if not ended:
             self._control(frame(RST_STREAM, 0, stream_id, NO_ERROR.to_bytes(4, "big")))
         self._closed_now(stream_id, ENDED if ended else BY_US)

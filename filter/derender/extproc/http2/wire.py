@@ -17,11 +17,29 @@ DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDO
 # Flags.
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # Error codes (section 7).
-(NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, SETTINGS_TIMEOUT, STREAM_CLOSED, FRAME_SIZE_ERROR,
- REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, CONNECT_ERROR, ENHANCE_YOUR_CALM) = range(12)
+(
+    NO_ERROR,
+    PROTOCOL_ERROR,
+    INTERNAL_ERROR,
+    FLOW_CONTROL_ERROR,
+    SETTINGS_TIMEOUT,
+    STREAM_CLOSED,
+    FRAME_SIZE_ERROR,
+    REFUSED_STREAM,
+    CANCEL,
+    COMPRESSION_ERROR,
+    CONNECT_ERROR,
+    ENHANCE_YOUR_CALM,
+) = range(12)
 # Settings (section 6.5.2).
-(SETTINGS_HEADER_TABLE_SIZE, SETTINGS_ENABLE_PUSH, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE,
- SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE) = range(1, 7)
+(
+    SETTINGS_HEADER_TABLE_SIZE,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+) = range(1, 7)
 # gRPC status codes.
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNIMPLEMENTED = 0, 1, 2, 3, 5, 8, 12
 
@@ -135,7 +153,7 @@ class Limits:
 class TokenBucket:
     """``burst`` tokens, given back at ``rate`` a second; ``take`` is False once none are left."""
 
-    __slots__ = ("tokens", "burst", "rate", "at")
+    __slots__ = ("at", "burst", "rate", "tokens")
 
     def __init__(self, burst: int, rate: float) -> None:
         self.tokens = float(burst)
@@ -157,5 +175,7 @@ def percent(text: str, limit: int = 1024) -> str:
     """grpc-message: at most ``limit`` characters, percent-encoded as gRPC requires (UTF-8 bytes
     outside printable ASCII, and ``%`` itself)."""
     if len(text) > limit:
-        text = text[:limit - 3] + "..."
-    return "".join(c if " " <= c <= "~" and c != "%" else "".join(f"%{b:02X}" for b in c.encode("utf-8", "replace")) for c in text)
+        text = text[: limit - 3] + "..."
+    return "".join(
+        c if " " <= c <= "~" and c != "%" else "".join(f"%{b:02X}" for b in c.encode("utf-8", "replace")) for c in text
+    )
