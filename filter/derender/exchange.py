@@ -61,7 +61,10 @@ class Exchange(Protocol):
     for every body chunk Envoy sends (one reply each), else ``response_body`` once with the whole
     body; ``close`` always, last (``complete``: the client got the whole answer)."""
 
-    stream: Any  # set by ``response_headers`` when the producer's answer is streamed to the client
+    @property
+    def stream(self) -> Any:
+        """Set by ``response_headers`` when the producer's answer is streamed to the client."""
+
     routed: Any  # what producer routing decided (``routing.balance.Decision``), for the log line
 
     async def request_body(self, body: bytes) -> Rewrite | Reply: ...
@@ -82,6 +85,29 @@ class Exchange(Protocol):
         ...
 
     def close(self, complete: bool) -> None: ...
+
+
+class Answered:
+    """The base of an exchange that answers at once (its ``request_body`` returns a ``Reply`` or
+    raises ``HTTPError``): no producer is reached, so the response steps of ``Exchange`` never come."""
+
+    stream: Any = None
+    routed: Any = None
+
+    async def request_body(self, body: bytes) -> Rewrite | Reply:
+        raise NotImplementedError
+
+    def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
+        raise RuntimeError(f"{type(self).__name__} answers at once: no producer response comes")
+
+    async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
+        raise RuntimeError(f"{type(self).__name__} answers at once: no producer response comes")
+
+    async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
+        raise RuntimeError(f"{type(self).__name__} answers at once: no producer response comes")
+
+    def close(self, complete: bool) -> None:
+        pass
 
 
 @dataclass(frozen=True)

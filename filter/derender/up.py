@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import signal
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                     (port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args]))
                 )
             for port, sim in sims:
-                sim.wait(lambda port=port: http_ok(f"http://127.0.0.1:{port}/health"), 60)
+                sim.wait(functools.partial(http_ok, f"http://127.0.0.1:{port}/health"), 60)
             urls = [f"http://127.0.0.1:{port}" for port, _ in sims]
             producer = urls[0]
         producer_host, producer_port = envoy_config.split_url(producer)

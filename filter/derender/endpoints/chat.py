@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from copy import copy
 from typing import Any
 
@@ -33,9 +34,9 @@ log = logging.getLogger("derender.chat")
 class ChatExchange(ProducerExchange):
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
-    stream_class = ChatStream
+    stream_class: Callable[..., Any] = ChatStream  # (model, rendered, ...) -> the stream's state
     lean_class: type[lean.LeanChatStream] | None = lean.LeanChatStream  # None: vLLM's path for every event
-    full_response = staticmethod(chat_completion)  # the final output -> the one JSON answer
+    full_response: Callable[..., Awaitable[bytes]] = staticmethod(chat_completion)  # final output -> the JSON answer
     endpoint = "chat"
     operation = "chat"
     producer_cached_tokens: int | None = None  # non-streaming: what the producer's usage says

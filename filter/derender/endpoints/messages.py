@@ -33,7 +33,7 @@ from typing import Any
 
 import pydantic_core
 
-from ..exchange import Endpoint, Reply, Rewrite
+from ..exchange import Answered, Endpoint, Reply, Rewrite
 from ..ops import logs
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
 from ..translate.lean import MARK, LeanChatStream
@@ -189,7 +189,7 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
             if content and not reasoning and block.block_type == "text":
                 return self._template("text", block.block_index, content)
         self.converted += 1
-        self._chunks.append(self._frame.chunk(delta))
+        self._chunks.append(self._frame.chunk(delta))  # type: ignore[union-attr]  # the lean path: a _Frame
         return self._convert()
 
     def _template(self, kind: str, index: int, text: str) -> bytes:
@@ -251,7 +251,7 @@ def _delta_event_halves(kind: str, index: int) -> tuple[bytes, bytes]:
     from vllm.entrypoints.anthropic.protocol import AnthropicDelta, AnthropicStreamEvent
     from vllm.entrypoints.anthropic.serving import wrap_data_with_event
 
-    delta = AnthropicDelta(type=f"{kind}_delta", **{kind: MARK})
+    delta = AnthropicDelta.model_validate({"type": f"{kind}_delta", kind: MARK})
     event = AnthropicStreamEvent(index=index, type="content_block_delta", delta=delta)
     data = wrap_data_with_event(event.model_dump_json(exclude_unset=True), "content_block_delta").encode()
     head, tail = data.split(pydantic_core.to_json(MARK))  # ValueError unless it is there exactly once
@@ -305,10 +305,8 @@ class MessagesExchange(ChatExchange):
         return ["".join(parts)]
 
 
-class CountTokensExchange:
+class CountTokensExchange(Answered):
     """``/v1/messages/count_tokens``: the rendered prompt's length, answered by the filter itself."""
-
-    stream = None
 
     def __init__(self, model: Model, producer: Any, x_request_id: str | None) -> None:
         self.model = model  # the producer is not asked
@@ -330,9 +328,6 @@ class CountTokensExchange:
             error = AnthropicHTTPError.of(HTTPError.from_vllm(result))
             return Reply(error.status, error.body())
         return Reply(200, dumps(result.model_dump(exclude_none=True)))
-
-    def close(self, complete: bool) -> None:
-        pass
 
 
 NOT_IN_TIER = (

@@ -40,7 +40,7 @@ from typing import Any
 
 import orjson
 
-from ..exchange import Exchange, Reply, ResponseStart, Rewrite
+from ..exchange import Answered, Exchange, Reply, ResponseStart, Rewrite
 from ..routing.producer import GENERATE_PATH, Producer
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
@@ -65,7 +65,9 @@ def _stream_stop_strings_error() -> str:
 def _default_max_tokens() -> int:
     from vllm.sampling_params import SamplingParams
 
-    return SamplingParams().max_tokens
+    max_tokens = SamplingParams().max_tokens
+    assert max_tokens is not None
+    return max_tokens
 
 
 class TierStream:
@@ -251,10 +253,10 @@ class TierExchange(ProducerExchange):
             ),
         )
         if status != 200:
-            error = tier_error(status, data)
+            failure = tier_error(status, data)
             self._failed("parser_render_tier")
             self._abort("derender failed")
-            return self._fail(error.status, error.message, error.type)
+            return self._fail(failure.status, failure.message, failure.type)
         answer = orjson.loads(data)
         if index is not None:
             stream.states[index] = answer["stream_state"]
@@ -356,10 +358,8 @@ class TierExchange(ProducerExchange):
         return dumps(result), None
 
 
-class TierPassThrough:
+class TierPassThrough(Answered):
     """``/tokenize`` and ``/detokenize``: the render tier's own answer, as an immediate reply."""
-
-    stream = None
 
     def __init__(self, tier: RenderTier, path: str, x_request_id: str | None) -> None:
         self.tier = tier
@@ -372,9 +372,6 @@ class TierPassThrough:
         if status != 200:
             raise tier_error(status, data)
         return Reply(200, data)
-
-    def close(self, complete: bool) -> None:
-        pass
 
 
 # What render-tier mode serves, by path: (tier, producer, x-request-id) -> the exchange. Every

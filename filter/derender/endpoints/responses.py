@@ -245,6 +245,7 @@ async def response_object(model: Model, rendered: RenderedResponse, final: Any) 
 class ResponsesExchange(ChatExchange):
     """One ``/v1/responses`` exchange: ``ChatExchange`` around a vLLM Responses session."""
 
+    rendered: RenderedResponse | None
     render = staticmethod(render_responses)
     stream_class = ResponsesStream
     lean_class = None

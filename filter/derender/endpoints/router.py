@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from ..exchange import Endpoint, Exchange, Reply, ResponseStart, Rewrite
+from ..exchange import Answered, Endpoint, Exchange, Reply, ResponseStart, Rewrite
 from ..ops import metrics
 from ..routing.balance import Balancer, Decision, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
@@ -84,7 +84,7 @@ class Backend:
             serving_completion(model)
 
     @classmethod
-    def local(cls, model: Model, producer: Producer, cluster: str = DEFAULT_CLUSTER) -> Backend:
+    def local(cls, model: Model, producer: Producer | ClusterProducers, cluster: str = DEFAULT_CLUSTER) -> Backend:
         return cls(model.served_names, producer, cluster, model=model)
 
     def exchange(self, endpoint: Endpoint, x_request_id: str | None) -> Exchange:
@@ -106,10 +106,8 @@ class Backend:
         return (await self.model.registry.show_available_models()).model_dump()["data"]
 
 
-class NotServed:
+class NotServed(Answered):
     """An endpoint this backend cannot serve: the error once the body is in."""
-
-    stream = None
 
     def __init__(self, error: HTTPError) -> None:
         self.error = error
@@ -117,8 +115,8 @@ class NotServed:
     async def request_body(self, body: bytes) -> Reply:
         return Reply.error(self.error)
 
-    def close(self, complete: bool) -> None:
-        pass
+
+UNROUTED = Answered()  # ModelExchange's inner exchange before the body is in
 
 
 class ModelExchange:
@@ -131,13 +129,14 @@ class ModelExchange:
         self.endpoint = endpoint
         self.x_request_id = x_request_id
         self.priority = priority  # the client's X-Vllm-Priority header, if any
-        self.inner: Exchange | None = None
+        self.inner: Exchange = UNROUTED  # the backend's exchange, once the body named the model
+        self.routed: Decision | None = None
         self.balancer: Balancer | None = None
         self.decision: Decision | None = None
 
     @property
     def stream(self) -> Any:
-        return self.inner.stream if self.inner is not None else None
+        return self.inner.stream
 
     async def request_body(self, body: bytes) -> Rewrite | Reply:
         try:
@@ -166,7 +165,7 @@ class ModelExchange:
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         if self.balancer is not None and self.decision is not None:
             self.balancer.started(self.decision, upstream, status)
-            self.inner.routed = self.decision
+            self.routed = self.inner.routed = self.decision
         return self.inner.response_headers(status, upstream)
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
@@ -187,8 +186,7 @@ class ModelExchange:
                 d.prompt_tokens,
                 cached if cached is not None else getattr(inner, "producer_cached_tokens", None),
             )
-        if self.inner is not None:
-            self.inner.close(complete)
+        self.inner.close(complete)
 
 
 class Router:
@@ -203,7 +201,7 @@ class Router:
     def __init__(
         self,
         served: Model | Backend | list[Backend],
-        producer: Producer | None = None,
+        producer: Producer | ClusterProducers | None = None,
         routing: RoutingSpec | None = None,
     ) -> None:
         if isinstance(served, Backend):

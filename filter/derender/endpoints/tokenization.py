@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
-from ..exchange import Endpoint, Reply
+from ..exchange import Answered, Endpoint, Reply
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
 
@@ -24,10 +24,8 @@ def _adapter(path: str) -> TypeAdapter:
     return TypeAdapter(TokenizeRequest if path == "/tokenize" else DetokenizeRequest)
 
 
-class TokenizationExchange:
+class TokenizationExchange(Answered):
     """One ``/tokenize`` or ``/detokenize`` request; never reaches a producer."""
-
-    stream = None
 
     def __init__(self, model: Model, path: str, x_request_id: str | None) -> None:
         self.model = model
@@ -48,9 +46,6 @@ class TokenizationExchange:
         if hasattr(result, "error"):
             raise HTTPError.from_vllm(result)
         return Reply(200, dumps(result.model_dump()))
-
-    def close(self, complete: bool) -> None:
-        pass
 
 
 TOKENIZE = Endpoint(

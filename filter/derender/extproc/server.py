@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -120,7 +121,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             await context.abort(next(c for c in grpc.StatusCode if c.value[0] == exc.code), str(exc))
 
     async def serve_stream(
-        self, read: Callable[[], Awaitable[object]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]
+        self, read: Callable[[], Awaitable[Any]], write: Callable[[pb.ProcessingResponse], Awaitable[None]]
     ) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply.
         Either transport's entry: grpc.aio's through ``Process``, ``http2``'s directly."""
@@ -186,10 +187,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         out = await exchange.response_chunk(body.body, body.end_of_stream)
                         common = pb.CommonResponse(body_mutation=_body_mutation(out))
                     else:
-                        out, status = await exchange.response_body(body.body)
+                        out, new_status = await exchange.response_body(body.body)
                         common = pb.CommonResponse(
                             header_mutation=_mutation(
-                                {"content-length": str(len(out)), **({":status": str(status)} if status else {})}
+                                {
+                                    "content-length": str(len(out)),
+                                    **({":status": str(new_status)} if new_status else {}),
+                                }
                             ),
                             body_mutation=_body_mutation(out),
                         )

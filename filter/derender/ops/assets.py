@@ -266,10 +266,10 @@ def _extract(archive: Path, member: str, target: Path) -> None:
         return
     with tarfile.open(archive) as t:
         names = {n.split("/", 1)[1] if archive.name.endswith(".tar.gz") else n: n for n in t.getnames()}
-        src = t.extractfile(names[member])
-        assert src is not None, member
+        extracted = t.extractfile(names[member])
+        assert extracted is not None, member
         with open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+            shutil.copyfileobj(extracted, dst)
 
 
 def _verified(folder: Path, asset: Asset) -> bool:

@@ -39,7 +39,7 @@ def configure(keys: list[str] | None) -> int:
         return 0
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-    _checker = AuthenticationMiddleware(app=None, tokens=keys)
+    _checker = AuthenticationMiddleware(app=None, tokens=keys)  # type: ignore[arg-type]  # its check alone, no app
     return len(keys)
 
 

@@ -88,7 +88,7 @@ def block_chain(ids: Sequence[int], size: int, seed: object = None) -> list[int]
     chained to ``seed`` (the precise index)."""
     full = len(ids) // size * size
     parent = hash(seed)
-    out = []
+    out: list[int] = []
     append = out.append
     for block in map(hash, zip(*[iter(ids[:full])] * size, strict=False)):
         parent = hash((parent, block))

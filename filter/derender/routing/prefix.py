@@ -201,7 +201,7 @@ class PrefixKey:
         if key is None:
             full = n // size
             chain = self.hasher.chain(ids, cache_salt, limit=full, lora=lora, media=media)
-            last = chain[-1] if chain else None
+            last: Any = chain[-1] if chain else None  # vLLM's BlockHash (bytes) or no parent
             if n % size:
                 extra = extra_keys(full * size, n, cache_salt, lora, media)
                 last = kv_cache_utils.hash_block_tokens(self.hasher.hash_fn, last, tuple(ids[full * size : n]), extra)

@@ -108,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
     # One line in the log's own format, in place of aiohttp's banner ("Running on ... Press CTRL+C").

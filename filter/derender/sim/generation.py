@@ -72,7 +72,8 @@ def _stream_interval(sizes: list[int], interval: int) -> list[int] | None:
     waits for each of its steps (``delay`` per step), so a client sees a GPU's pacing."""
     if interval <= 1:
         return None
-    steps, gathered, count = [], 0, 0
+    steps: list[int] = []
+    gathered = count = 0
     for i, size in enumerate(sizes):
         gathered, count = gathered + size, count + 1
         if not steps or gathered >= interval or i == len(sizes) - 1:

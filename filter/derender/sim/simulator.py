@@ -9,6 +9,7 @@ import json
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from tokenizers import Tokenizer
@@ -72,7 +73,7 @@ class Simulator(Serving):
         self.disconnected: list[str] = []
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
         self.held: set[_Generation] = set()
-        self.hold_after: int | None = None
+        self.hold_after: int | str | None = None
         self.cache = PrefixCache(prefix_cache_blocks)
         self.prefill_us_per_token = prefill_us_per_token
         self._prefill = asyncio.Lock()
@@ -189,7 +190,7 @@ class Simulator(Serving):
         rng = random.Random(self.seed) if self.seed is not None else None
         choices = []
         for index in range(sp.get("n") or 1):
-            line = lines.get(index) or next(iter(lines.values()))
+            line: dict[str, Any] = lines.get(index) or next(iter(lines.values()))
             tokens = [int(t) for t in line.get("token_ids", [])]
             finish, stop_reason = line.get("finish_reason") or "stop", line.get("stop_reason")
             cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
@@ -277,7 +278,11 @@ class Simulator(Serving):
     def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict:
         """vLLM's UsageInfo; ``cached``: the prompt tokens found in the prefix cache, which vLLM
         reports (``prompt_tokens_details.cached_tokens``) with --enable-prompt-tokens-details."""
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+        }
         if details:
             usage.update(prompt_tokens_details=None, completion_tokens_details=None)
         if cached is not None:
@@ -299,7 +304,7 @@ class Simulator(Serving):
             else {
                 "content": [
                     {**entry(tok, *lps[tok]), "top_logprobs": [entry(t, *v) for t, v in lps.items()]}
-                    for tok, lps in zip(c.tokens[start:end], c.logprobs[start:end], strict=False)
+                    for tok, lps in zip(c.tokens[start:end], (c.logprobs or [])[start:end], strict=False)
                 ]
             }
         )

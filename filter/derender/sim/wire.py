@@ -92,7 +92,8 @@ def _check_body(body: object) -> None:
                 )
             ]
         )
-    errors, ids, sp = [], body.get("token_ids"), body.get("sampling_params")
+    errors: list[dict] = []
+    ids, sp = body.get("token_ids"), body.get("sampling_params")
     not_sp = _err(
         "is_instance_of", _SP, "Input should be an instance of SamplingParams", sp, **{"class": "SamplingParams"}
     )
@@ -123,8 +124,8 @@ def _check_body(body: object) -> None:
         errors.insert(0, _err("missing", loc, "Field required", body))
     elif not isinstance(ids, list):
         errors.insert(0, _err("list_type", loc, "Input should be a valid list", ids))
-    elif bad := [i for i, t in enumerate(ids) if type(t) is not int]:
-        errors[:0] = [_int_err(f"{loc}.{i}", ids[i]) for i in bad]
+    elif bad_ids := [i for i, t in enumerate(ids) if type(t) is not int]:
+        errors[:0] = [_int_err(f"{loc}.{i}", ids[i]) for i in bad_ids]
     elif not ids:
         errors.insert(
             0,

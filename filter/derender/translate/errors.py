@@ -122,7 +122,7 @@ def _validation_error(errors: list[dict[str, Any]]) -> HTTPError:
 
     fake = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(log_error_stack=False))))
     response = None
-    coro = validation_exception_handler(fake, RequestValidationError(errors))
+    coro = validation_exception_handler(fake, RequestValidationError(errors))  # type: ignore[arg-type]  # reads app.state.args only
     try:
         coro.send(None)
     except StopIteration as done:

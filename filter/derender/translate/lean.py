@@ -200,7 +200,7 @@ class LeanChatStream(ChatStream):
             self.producer_request_id = event.get("request_id")
         self.completion_tokens += len(ids)
         self.direct += 1
-        data = self._middle_step(text, ids, self.outputs.direct_state.prompt_token_ids)
+        data = self._middle_step(text, ids, self.outputs.direct_state.prompt_token_ids)  # type: ignore[union-attr]  # set: direct_text answered
         if self._failure is not None:  # the parser raised: the generator answers it, as vLLM's would
             return data + self._pump()
         return data

@@ -201,10 +201,10 @@ class Model:
         """A vLLM serving object (``OpenAIServingChat``, ``OpenAIServingCompletion``,
         ``AnthropicServingMessages``, ``OpenAIServingResponses``) for this model, given the options
         ``vllm serve`` gives it, on ``engine`` (default: a stand-in that generates nothing)."""
-        params = inspect.signature(cls.__init__).parameters
+        params = inspect.signature(cls).parameters
         options = {k: v for k, v in _serving_options(self).items() if k in params}
         engine = engine or _EngineStandIn(self.vllm_config, self.renderer)
-        return cls(engine, self.registry, **options)  # type: ignore[arg-type]
+        return cls(engine, self.registry, **options)
 
     def _warm_up(self) -> None:
         """Pay now (once, before workers fork) what vLLM computes on a first request.

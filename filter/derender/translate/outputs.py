@@ -133,7 +133,7 @@ class ChoiceOutputs:
         if (
             self.num_logprobs is not None
             or params.prompt_logprobs is not None
-            or state.detokenizer.stop
+            or getattr(state.detokenizer, "stop", None)  # vLLM's detokenizers with text have it
             or state.stream_interval != 1
             or state.output_kind != RequestOutputKind.DELTA
             or state.parent_req is not None
@@ -178,7 +178,9 @@ class ChoiceOutputs:
             checked = self._checked(choice)
         except ProducerError:  # ``step`` raises it
             return None
-        state = self._direct(checked[2]) if checked is not None else None
+        if checked is None:
+            return None
+        state = self._direct(checked[2])
         if state is None:
             return None
         self.direct_steps += 1
@@ -250,21 +252,21 @@ class ChoiceOutputs:
         result = self.processor.process_outputs([output])
         if self.cached is not None:
             for out in result.request_outputs:
-                out.num_cached_tokens = self.cached
+                out.num_cached_tokens = self.cached  # type: ignore[assignment]  # LateCount: an int once read
         if finish is not None or output.request_id not in self.processor.request_states:
             self.finished[index] = True
         # A stop string ended a choice the producer is still generating. vLLM's engine
         # aborts just that child; the producer can only abort the whole request, which
         # would cut the other choices: abort once every choice has finished.
         self.stopped_early |= bool(result.reqs_to_abort)
-        return result.request_outputs, self.stopped_early and self.done
+        return result.request_outputs, self.stopped_early and self.done  # type: ignore[return-value]  # generate: RequestOutputs
 
     def _logprobs(self, logprobs: dict[str, Any] | None, token_ids: list[int]) -> LogprobsLists:
         """The engine's per-position rows: sampled token first, then top-k by rank."""
         content = (logprobs or {}).get("content") or []
         if len(content) != len(token_ids):
             raise ProducerError(f"producer sent {len(content)} logprob entries for {len(token_ids)} tokens")
-        k = self.num_logprobs
+        k = self.num_logprobs or 0  # set: logprobs were asked for
         rows_ids, rows_lps, ranks = [], [], []
         for entry in content:
             tops = entry.get("top_logprobs") or []

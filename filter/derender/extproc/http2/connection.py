@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from .control import ControlSide
 from .headers import Codec, HeaderSide
+from .state import ConnectionState
 from .streams import StreamSide
 from .wire import (
     CONTINUATION,
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
 LINGER = 2.0  # seconds a closing connection's input is still read and dropped
 
 
-class Backpressure(asyncio.Protocol):
+class Backpressure(ConnectionState, asyncio.Protocol):
     """A peer that reads slower than the server writes is not read either until it catches up
     (CVE-2019-9517); writers wait on ``paused`` meanwhile."""
 
@@ -94,7 +95,7 @@ class Connection(HeaderSide, ControlSide, StreamSide, Backpressure):
         self.preface = False
         self.got_settings = False  # the peer's first SETTINGS (the end of its preface)
         self.codec = Codec(limits.max_header_list)
-        self.streams: dict = {}
+        self.streams = {}
         self.closed: dict[int, int] = {}  # stream id -> BY_US / BY_PEER / ENDED, the last RECENTLY_CLOSED
         self.last_stream = 0
         self.streams_opened = 0

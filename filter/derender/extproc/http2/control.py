@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 
+from .state import ConnectionState
 from .wire import (
     ACK,
     DEFAULT_MAX_FRAME,
@@ -41,7 +42,7 @@ KEEPALIVE = b"derender"  # a keepalive PING's payload
 GOAWAY_PING = b"goaway!!"  # the PING between a graceful GOAWAY's two frames
 
 
-class ControlSide:
+class ControlSide(ConnectionState):
     """Control frames, closed streams, resets and timers of a ``Connection`` (whose attributes these use)."""
 
     # -- control frames ---------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from hpack import Decoder, Encoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
+from .state import ConnectionState
 from .wire import (
     COMPRESSION_ERROR,
     CONTINUATION,
@@ -71,7 +73,7 @@ class Codec:
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         try:
-            fields = self.decoder.decode(block, raw=True)
+            fields = cast("list[tuple[bytes, bytes]]", self.decoder.decode(block, raw=True))
         except OversizedHeaderListError:
             raise ConnectionError_(
                 ENHANCE_YOUR_CALM, "header block decodes past its bound", "continuation_flood"
@@ -161,7 +163,7 @@ class HeaderBlock:
         self.dependency = dependency
 
 
-class HeaderSide:
+class HeaderSide(ConnectionState):
     """HEADERS and CONTINUATION frames of a ``Connection``: a block gathered within its bounds, decoded,
     then judged: trailers end a stream, a new stream is opened, refused or answered at once."""
 
@@ -202,12 +204,13 @@ class HeaderSide:
 
     def _header_block_done(self) -> None:
         block, self.header_block = self.header_block, None
+        assert block is not None
         stream_id, flags = block.stream_id, block.flags
         try:
             decoded = self.codec.decode(bytes(block.data))
         except TooLarge as exc:
             too_large = str(exc)
-            decoded = None
+            decoded = []
         else:
             too_large = ""
         stream = self.streams.get(stream_id)

@@ -9,6 +9,7 @@ import ssl as ssl_
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from .connection import Connection
 from .streams import Methods
@@ -60,7 +61,9 @@ class Server:
         self, host: str | list[str], port: int, reuse_port: bool = False, ssl: ssl_.SSLContext | None = None
     ) -> None:
         loop = asyncio.get_running_loop()
-        extra = {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
+        extra: dict[str, Any] = (
+            {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
+        )
         hosts = [h.strip("[]") for h in ([host] if isinstance(host, str) else host)]
         self._server = await loop.create_server(
             lambda: Connection(self),
@@ -120,7 +123,7 @@ class Server:
         self._stopped.set()
 
 
-def tls_context(cert: str, key: str, client_ca: str | None = None) -> ssl_.SSLContext:
+def tls_context(cert: str, key: str | None, client_ca: str | None = None) -> ssl_.SSLContext:
     """A server TLS context for the ext_proc port: TLS 1.2+, ALPN h2; with ``client_ca``, a client
     certificate signed by it is required (mTLS)."""
     context = ssl_.SSLContext(ssl_.PROTOCOL_TLS_SERVER)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
 from .control import BY_US, ENDED
+from .state import ConnectionState
 from .wire import (
     CANCELLED,
     DATA,
@@ -112,7 +114,7 @@ def writer(connection, stream):
     return write
 
 
-async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[object, int, str], None]) -> None:
+async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[Any, int, str], None]) -> None:
     """Run a stream's handler: however it ends (it returns, raises ``Status`` or anything else, or is
     cancelled other than by a reset), ``finish(stream, status, message)`` gives the stream its gRPC
     status, as gRPC's servers do; a stream already ended (reset) gets nothing more."""
@@ -133,7 +135,7 @@ async def serve_handler(handler: Handler, read, write, stream, finish: Callable[
             finish(stream, status, why)
 
 
-class StreamSide:
+class StreamSide(ConnectionState):
     """Streams, messages and replies of a ``Connection`` (whose attributes these methods use)."""
 
     # -- a stream's messages in ----------------------------------------------------------------
@@ -373,9 +375,9 @@ class StreamSide:
             self._write_trailers(stream)
 
     def _write_trailers(self, stream: Stream) -> None:
-        status, why = stream.trailers
+        status, why = stream.trailers or (0, "")
         self._discard(stream)
-        if self.transport.is_closing() or self.shut:
+        if self.transport is None or self.transport.is_closing() or self.shut:
             self._remove(stream, BY_US)
             return
         if not stream.started:
