@@ -135,9 +135,9 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     model = hermes_model(model_dir)
     try:
-        from derender.translate import lean
+        from derender.translate import streampath
 
-        lean.ENABLED = args.stream_path == "lean"
+        streampath.ENABLED = args.stream_path == "lean"
     except ImportError:  # a tree from before the lean path (an A/B against it)
         pass
     if args.when_told:

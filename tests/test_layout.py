@@ -6,7 +6,9 @@ imports included: a lazy import hides a cycle at load time, not in the design):
     translate  <  exchange.py  <  ops  <  routing  <  endpoints  <  extproc  <  cli.py, options.py, up.py
 
 ``sim`` (the producer simulator) stands apart: it imports nothing of the filter. A module past 400
-lines says why in its own text. And an endpoint is one module plus one line of the registry.
+lines says why in its own text. And an endpoint is one module plus one line of the registry. No two
+modules import each other, directly or around a circle, inside a room either (imports made only for
+the type checker, under ``if TYPE_CHECKING:``, name types and are not counted).
 """
 
 from __future__ import annotations
@@ -29,12 +31,27 @@ def room(parts: tuple[str, ...]) -> str:
     return parts[0]
 
 
-def imported(path: Path) -> list[tuple[int, tuple[str, ...]]]:
-    """Every ``derender`` module (as its parts inside the package) that ``path`` imports, with the line."""
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """The lines of ``if TYPE_CHECKING:`` blocks."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def imported(path: Path, *, typing_only: bool = True) -> list[tuple[int, tuple[str, ...]]]:
+    """Every ``derender`` module (as its parts inside the package) that ``path`` imports, with the line;
+    ``typing_only=False`` leaves out what ``if TYPE_CHECKING:`` imports."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
     package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if typing_only else _type_checking_lines(tree)
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, tuple(a.name.split(".")[1:])) for a in node.names if a.name.split(".")[0] == "derender"]
         elif isinstance(node, ast.ImportFrom):
@@ -80,6 +97,76 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     try:
         assert imported(probe) == [(2, ("endpoints",))]
         assert ORDER.index(room(("endpoints",))) > ORDER.index(room(("translate", "_layout_probe")))
+    finally:
+        probe.unlink()
+
+
+def module_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+    """Module -> the package's modules it imports (a package is its ``__init__``)."""
+    mods = {}
+    for path in modules():
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        mods[parts[:-1] if parts[-1] == "__init__" else parts] = path
+    graph: dict[tuple[str, ...], set[tuple[str, ...]]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        for _, target in imported(path, typing_only=False):
+            while target and target not in mods:  # ``from .m import f``: the module m
+                target = target[:-1]
+            if target and target != name and target != name[: len(target)]:  # not its own package
+                graph[name].add(target)
+    return graph
+
+
+def circles(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[list[str]]:
+    """The import circles of ``graph``: its strongly connected parts of more than one module (Tarjan)."""
+    index: dict[tuple[str, ...], int] = {}
+    low: dict[tuple[str, ...], int] = {}
+    stack: list[tuple[str, ...]] = []
+    found: list[list[str]] = []
+
+    def visit(v: tuple[str, ...]) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(".".join(w))
+                if w == v:
+                    break
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    found = circles(module_graph())
+    assert not found, "modules importing each other around a circle:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_sees_an_import_circle():
+    """The check above can fail: two modules importing each other (one lazily) are a circle, and an import
+    under ``if TYPE_CHECKING:`` is not counted."""
+    graph = module_graph()
+    assert not circles(graph)
+    graph[("translate", "errors")].add(("translate", "stream"))  # stream imports errors already
+    found = circles(graph)
+    assert len(found) == 1 and {"translate.errors", "translate.stream"} <= set(found[0])
+    probe = PACKAGE / "translate" / "_layout_probe.py"
+    probe.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import stream\ndef f():\n    from . import errors\n")
+    try:
+        assert imported(probe, typing_only=False) == [(5, ("translate", "errors"))]
+        assert imported(probe) == [(3, ("translate", "stream")), (5, ("translate", "errors"))]
     finally:
         probe.unlink()
 

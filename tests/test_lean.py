@@ -25,6 +25,7 @@ from parity_cases import ANSWERS, PARIS, TOOLS
 from parity_paths import ASSET, MAX_MODEL_LEN, MODELS
 
 from derender.ops import assets
+from derender.translate import streampath
 
 _MODELS: dict = {}
 
@@ -95,13 +96,12 @@ def normal(data: bytes) -> bytes:
 @contextlib.contextmanager
 def vllm_path():
     """Streams built inside take vLLM's path for every event (``--stream-path vllm``)."""
-    from derender.translate import lean
 
-    lean.ENABLED = False
+    streampath.ENABLED = False
     try:
         yield
     finally:
-        lean.ENABLED = True
+        streampath.ENABLED = True
 
 
 def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int, int]:
@@ -287,7 +287,6 @@ def test_shared_parser_tables_equal_fresh_ones(name, monkeypatch):
     vLLM builds anew, and ``--stream-path vllm`` gets a fresh one every time."""
     from vllm.parser.engine import streaming_parser_engine as engine
 
-    from derender.translate import lean
 
     model, answers = served(name)
     memo = engine._build_drop_info
@@ -306,10 +305,10 @@ def test_shared_parser_tables_equal_fresh_ones(name, monkeypatch):
     for config, tokenizer, shared in tables:
         assert memo(config, tokenizer) is shared
         assert _shape(shared) == _shape(memo.built(config, tokenizer))
-        monkeypatch.setattr(lean, "ENABLED", False)
+        monkeypatch.setattr(streampath, "ENABLED", False)
         fresh = memo(config, tokenizer)
         assert fresh is not shared or shared is None
-        monkeypatch.setattr(lean, "ENABLED", True)
+        monkeypatch.setattr(streampath, "ENABLED", True)
 
 
 def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
@@ -369,7 +368,7 @@ def test_stream_path_vllm_turns_it_off(monkeypatch):
     exchange = ChatExchange(model, None, None)
     exchange.rendered = render(model, {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     assert type(exchange.new_stream()) is lean.LeanChatStream
-    monkeypatch.setattr(lean, "ENABLED", False)
+    monkeypatch.setattr(streampath, "ENABLED", False)
     assert type(exchange.new_stream()).__name__ == "ChatStream"
 
 

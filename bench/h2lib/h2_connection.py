@@ -19,7 +19,7 @@ from grpc.aio import EOF
 
 from derender.extproc.http2 import wire
 from derender.extproc.http2.connection import Backpressure
-from derender.extproc.http2.streams import serve_handler, writer
+from derender.extproc.http2.handlers import serve_handler, writer
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 

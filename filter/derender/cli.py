@@ -78,9 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .translate import stall
 
     stall.STALL_TIMEOUT = args.stall_timeout
-    from .translate import lean
+    from .translate import streampath
 
-    lean.ENABLED = args.stream_path == "lean"
+    streampath.ENABLED = args.stream_path == "lean"
     from .extproc import server as extproc
 
     extproc.DRAIN_TIMEOUT = args.drain_timeout

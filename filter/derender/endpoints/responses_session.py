@@ -16,7 +16,7 @@ import sys
 from collections import deque
 from typing import Any
 
-from ..translate import lean
+from ..translate import streampath
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import _EngineStandIn
 from ..translate.stream import WAIT, advance, close_chain
@@ -65,7 +65,7 @@ class Session:
             raise HTTPError(400, ONE_GENERATION, param="tools")
         self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
         self.called.set()
-        if self.request.stream and lean.ENABLED:
+        if self.request.stream and streampath.ENABLED:
             self._loop = LoopBody.of(sys._getframe(2))
         return self._outputs()
 

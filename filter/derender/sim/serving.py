@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import random
 import time
-from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import pydantic_core
 from aiohttp import web
 
-from .cache import PrefixCache
-from .generation import _Choice, _Died, _Disconnected, _drop, _Generation
+from .generation import _Died, _Disconnected, _drop, _Generation
+from .state import SimulatorState
 from .wire import (
     _ERROR_TYPES,
     FLOOD_BYTES,
@@ -31,41 +29,8 @@ from .wire import (
 )
 
 
-class Serving:
+class Serving(SimulatorState):
     """The handlers of ``Simulator`` (``simulator.Simulator``), which holds the state they use."""
-
-    # The state ``Simulator.__init__`` and ``configure`` set, declared for the type checker.
-    requests: collections.deque
-    headers: collections.deque
-    received: int
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    prefill_waits: collections.deque[float]
-    aborted: list[str]
-    disconnected: list[str]
-    running: dict[str, set[_Generation]]
-    held: set[_Generation]
-    hold_after: int | str | None  # 'end': held after the last event
-    cache: PrefixCache
-    prefill_us_per_token: float
-    _prefill: asyncio.Lock
-    http_error: int | None
-    fault: str | None
-    fault_after: int
-    split_writes: int
-    vocab_size: int
-    max_model_len: int
-    model_name: str
-
-    if TYPE_CHECKING:  # ``Simulator``'s
-
-        def _plan(self, body: dict) -> list[_Choice]: ...
-        def _steps(self, gen: _Generation) -> AsyncIterator[tuple]: ...
-        def _cached(self, gen: _Generation) -> int | None: ...
-        @staticmethod
-        def _choice(c: _Choice, start: int, end: int, final: bool, k: int | None) -> dict: ...
-        @staticmethod
-        def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict: ...
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -30,52 +30,21 @@ import json
 import logging
 from typing import Any
 
+from . import streampath
 from .model import Model
 from .render import Rendered
 from .stream import ChatStream
 
 log = logging.getLogger("derender.lean")
 
-PATHS = ("lean", "vllm")
-ENABLED = True  # derender serve --stream-path lean (the default) | vllm
 MARK = "\x00derender-delta\x00"
-
-
-def memoize_parser_tables() -> None:
-    """vLLM's streaming parser engine, built for every parser object (three per chat request: the
-    render's, the filter's early one and the generator's), rebuilds from the tokenizer's special
-    tokens the same drop table each time: a regex per special token (``regex.escape`` ~0.1 ms
-    each) and a ``LexerShape``, which vLLM documents as immutable and shares. Built once per
-    (engine config, tokenizer) here -- vLLM caches its configs, so they are the same objects --
-    and shared, as vLLM shares the config's own shape; ``--stream-path vllm`` builds them anew.
-    ``tests/test_lean.py`` checks the shared table equals a fresh one for every shipped parser."""
-    from vllm.parser.engine import streaming_parser_engine as engine
-
-    build = engine._build_drop_info
-    if getattr(build, "derender_memo", False):
-        return
-    tables: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
-
-    def drop_info(config: Any, tokenizer: Any) -> Any:
-        if not ENABLED:
-            return build(config, tokenizer)
-        key = (id(config), id(tokenizer))
-        hit = tables.get(key)
-        if hit is None or hit[0] is not config or hit[1] is not tokenizer:
-            hit = tables[key] = (config, tokenizer, build(config, tokenizer))  # the pair kept: ids stay theirs
-        return hit[2]
-
-    drop_info.derender_memo = True  # type: ignore[attr-defined]
-    drop_info.built = build  # type: ignore[attr-defined]
-    drop_info.tables = tables  # type: ignore[attr-defined]
-    engine._build_drop_info = drop_info
 
 
 def eligible(model: Model, rendered: Rendered, *, continuous_usage: bool = False) -> bool:
     """The request asks for nothing per token that the lean path leaves to vLLM's generator;
     ``continuous_usage``: a stream whose middle chunks' usage nobody reads (Messages: vLLM's
     converter reads the usage of the first and the last chunk only) may ask for it."""
-    if not ENABLED:
+    if not streampath.ENABLED:
         return False
     from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 

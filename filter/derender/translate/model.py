@@ -135,9 +135,9 @@ class Model:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        from . import lean
+        from . import streampath
 
-        lean.memoize_parser_tables()
+        streampath.memoize_parser_tables()
         self.spec = spec
         if (Path(spec.model) / "o200k_base.tiktoken").is_file():
             # gpt-oss: openai-harmony reads its encoding from here, never from a hub.

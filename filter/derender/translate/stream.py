@@ -15,6 +15,7 @@ import json
 from collections import deque
 from typing import Any
 
+from . import streampath
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
@@ -36,7 +37,6 @@ WAIT = _WaitForEvent()
 def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceOutputs:
     """The live output state of one rendered request on ``model``; with the lean path on
     (``--stream-path lean``), its token events may skip vLLM's ``process_outputs``."""
-    from . import lean
 
     return ChoiceOutputs(
         model.tokenizer,
@@ -46,7 +46,7 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
         stream=stream,
         vocab_size=model.model_config.get_vocab_size(),
         cached_tokens=model.prompt_tokens_details,
-        direct=lean.ENABLED,
+        direct=streampath.ENABLED,
     )
 
 

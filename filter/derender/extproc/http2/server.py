@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .connection import Connection
-from .streams import Methods
+from .handlers import Methods
 from .wire import Limits
 
 log = logging.getLogger("derender.http2")

@@ -9,38 +9,28 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
 from .control import BY_US, ENDED
+from .handlers import Handler, serve_handler, writer
 from .state import ConnectionState
 from .wire import (
-    CANCELLED,
     DATA,
     END_STREAM,
     INTERNAL_ERROR,
     NO_ERROR,
-    OK,
     PROTOCOL_ERROR,
     RESOURCE_EXHAUSTED,
     RESPONSE_HEADERS,
     RST_STREAM,
     UNIMPLEMENTED,
-    UNKNOWN,
     WINDOW_UPDATE,
-    Status,
     StreamError,
     frame,
     percent,
 )
-
-# handler(read, write): read() -> the next request message, or EOF once the peer is done sending;
-# write(message) sends one reply. It returns (or raises) to end the stream.
-Handler = Callable[[Callable[[], Awaitable[object]], Callable[[object], Awaitable[None]]], Awaitable[None]]
-# path -> (the request type's ``FromString``, the handler)
-Methods = dict[str, tuple[Callable[[bytes], object], Handler]]
 
 # What a message costs the budgets besides its bytes: its 5-byte prefix, and the bytes object and
 # queue slot that hold it (a flood of empty messages is not free).
@@ -95,44 +85,6 @@ class Stream:
         self.unacked = 0  # read, not yet given back in a WINDOW_UPDATE
         self.content_length = content_length
         self.received = 0
-
-
-def writer(connection, stream):
-    """A stream's ``write(message)``: the reply goes out as far as the windows allow; while the peer's
-    window holds it back, or the socket's writes are paused, the handler waits."""
-
-    async def write(message) -> None:
-        if stream.ended:
-            raise ConnectionResetError("the ext_proc stream is closed")
-        connection._send(stream, message.SerializeToString())
-        if stream.pending:  # the peer's window holds it back: wait, as far as the peer reads
-            stream.drained = drained = connection.loop.create_future()
-            await drained
-        if connection.paused is not None:
-            await asyncio.shield(connection.paused)
-
-    return write
-
-
-async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[Any, int, str], None]) -> None:
-    """Run a stream's handler: however it ends (it returns, raises ``Status`` or anything else, or is
-    cancelled other than by a reset), ``finish(stream, status, message)`` gives the stream its gRPC
-    status, as gRPC's servers do; a stream already ended (reset) gets nothing more."""
-    status, why = OK, ""
-    try:
-        await handler(read, write)
-    except asyncio.CancelledError:
-        if stream.ended:  # reset: nothing more to send
-            return
-        status, why = CANCELLED, "cancelled"
-        raise
-    except Status as exc:
-        status, why = exc.code, str(exc)
-    except Exception as exc:  # noqa: BLE001 - the handler's failure is the stream's status
-        status, why = UNKNOWN, f"{type(exc).__name__}: {exc}"
-    finally:
-        if not stream.ended:
-            finish(stream, status, why)
 
 
 class StreamSide(ConnectionState):
