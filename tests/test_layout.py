@@ -8,7 +8,8 @@ imports included: a lazy import hides a cycle at load time, not in the design):
 ``sim`` (the producer simulator) stands apart: it imports nothing of the filter. A module past 400
 lines says why in its own text. And an endpoint is one module plus one line of the registry. No two
 modules import each other, directly or around a circle, inside a room either (imports made only for
-the type checker, under ``if TYPE_CHECKING:``, name types and are not counted).
+the type checker, under ``if TYPE_CHECKING:``, name types and are not counted). And vLLM's non-public
+surface (a private name, a running frame, a closure cell) is reached from ``translate/vllm_seams.py`` only.
 """
 
 from __future__ import annotations
@@ -167,6 +168,69 @@ def test_the_checker_sees_an_import_circle():
     try:
         assert imported(probe, typing_only=False) == [(5, ("translate", "errors"))]
         assert imported(probe) == [(3, ("translate", "stream")), (5, ("translate", "errors"))]
+    finally:
+        probe.unlink()
+
+
+FRAMES = {"ag_frame", "cr_frame", "gi_frame", "f_locals", "f_back", "f_globals", "cell_contents", "__closure__"}
+# Private names of the filter's own objects (or the standard library's) reached from outside them.
+OWN_PRIVATE = {
+    ("cli.py", "atexit._run_exitfuncs"),
+    ("cli.py", "os._exit"),
+    ("extproc/workers.py", "os._exit"),
+    ("endpoints/responses_store.py", "self.responses._call"),  # its own RedisMapping
+}
+
+
+def reaches_past_vllm(path: Path) -> list[str]:
+    """Where ``path`` reads a private name of another object, a frame or a closure cell, or imports a
+    private name of vLLM's."""
+    rel = path.relative_to(PACKAGE).as_posix()
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm":
+            found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names if a.name.startswith("_")]
+        if not isinstance(node, ast.Attribute):
+            continue
+        text = ast.unparse(node)
+        if node.attr in FRAMES or node.attr == "_getframe":
+            found.append(f"{rel}:{node.lineno}: {text}")
+        elif node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue
+            if (rel, text) not in OWN_PRIVATE:
+                found.append(f"{rel}:{node.lineno}: {text}")
+    return found
+
+
+def test_vllm_private_surface_only_through_its_seams():
+    """vLLM's private names, running frames and closure cells are reached in ``translate/vllm_seams.py``
+    only (each seam there named, dated and checked: ``tests/test_vllm_seams.py``). The HTTP/2 server and
+    the simulator reach into their own objects, and vLLM nowhere."""
+    found = []
+    for path in modules():
+        parts = path.relative_to(PACKAGE).parts
+        if parts[-1] == "vllm_seams.py" or parts[0] == "sim" or parts[:2] == ("extproc", "http2"):
+            continue
+        found += reaches_past_vllm(path)
+    assert not found, "vLLM's non-public surface outside translate/vllm_seams.py:\n" + "\n".join(found)
+
+
+def test_the_seam_checker_sees_a_frame_read_and_a_private_call():
+    probe = PACKAGE / "translate" / "_layout_probe.py"
+    probe.write_text(
+        "from vllm.x import _Hidden\n"
+        "def f(gen, serving):\n"
+        "    serving._make_parser(1)\n"
+        "    self._mine = 1\n"
+        "    return gen.ag_frame.f_locals\n"
+    )
+    try:
+        found = sorted(line.split(": ", 1)[1] for line in reaches_past_vllm(probe))
+        assert found == ["gen.ag_frame", "gen.ag_frame.f_locals", "imports _Hidden", "serving._make_parser"]
     finally:
         probe.unlink()
 

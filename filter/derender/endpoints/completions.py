@@ -23,6 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..exchange import Endpoint
+from ..translate import vllm_seams
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, producer_body, with_tensors
@@ -117,7 +118,7 @@ async def completion_response(model: Model, rendered: RenderedCompletion, final:
 
     serving = serving_completion(model)
     if final.prompt is None:
-        final.prompt = serving._extract_prompt_text(rendered.engine_input)
+        final.prompt = vllm_seams.extract_prompt_text(serving, rendered.engine_input)
     try:
         result = serving.request_output_to_completion_response(
             [final],

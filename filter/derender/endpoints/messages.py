@@ -35,6 +35,7 @@ import pydantic_core
 
 from ..exchange import Answered, Endpoint, Reply, Rewrite
 from ..ops import logs
+from ..translate import vllm_seams
 from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
 from ..translate.lean import MARK, LeanChatStream
 from ..translate.model import Model
@@ -80,7 +81,7 @@ async def to_chat_request(model: Model, request: Any) -> Any:
     try:
         effort = await serving.disabled_thinking_effort_resolver.resolve_for(request)
         return serving.to_chat_completion_request(
-            request, merge_inline_system=serving._merge_inline_system, disabled_thinking_effort=effort
+            request, merge_inline_system=vllm_seams.merge_inline_system(serving), disabled_thinking_effort=effort
         )
     except Exception as exc:  # e.g. a tool_addition naming an undeclared tool: vLLM's 400
         raise from_exception(exc) from None
@@ -169,9 +170,8 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
         frame = super()._take_frame()
         if frame is not False:
             try:
-                self._block = self._conv.ag_frame.f_locals["state"]
-                self._block.block_type, self._block.block_index  # noqa: B018 - the fields read
-            except (AttributeError, KeyError, TypeError):
+                self._block = vllm_seams.converter_block_state(self._conv)
+            except vllm_seams.SeamChanged:
                 log.warning(
                     "vLLM's message stream converter is not as expected: its path for this stream", exc_info=True
                 )

@@ -42,6 +42,7 @@ import orjson
 
 from ..exchange import Answered, Exchange, Reply, ResponseStart, Rewrite
 from ..routing.producer import GENERATE_PATH, Producer
+from ..translate import vllm_seams
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
 from ..translate.stall import message as stall_message
@@ -57,9 +58,7 @@ NO_ECHO = "echo is not available in render-tier mode: vLLM's derender endpoints 
 
 
 def _stream_stop_strings_error() -> str:
-    from vllm.entrypoints.scale_out.derender.serving import _STREAM_STOP_STRINGS_ERROR
-
-    return _STREAM_STOP_STRINGS_ERROR
+    return vllm_seams.stream_stop_strings_error()
 
 
 def _default_max_tokens() -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 from ..exchange import Endpoint, Reply, Rewrite
 from ..ops import logs
+from ..translate import vllm_seams
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.lean import one_choice_event
 from ..translate.model import Model
@@ -92,7 +93,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
         session.cancel()
         raise _failure_of(session)
     kwargs = session.engine_kwargs
-    features = model.serving_render._extract_mm_features(session.engine_input, mm_payload="tensors")
+    features = vllm_seams.extract_mm_features(model.serving_render, session.engine_input, mm_payload="tensors")
     prompt_ids = list(extract_prompt_components(model.model_config, session.engine_input).token_ids or ())
     body = producer_body(
         GenerateRequest(

@@ -9,6 +9,8 @@ from typing import Any
 
 import pydantic_core
 
+from ..translate import vllm_seams
+
 
 class LoopBody:
     """The lean path of a Responses stream: the body of the loop of vLLM's
@@ -31,6 +33,7 @@ class LoopBody:
         "number",
         "processor",
         "request",
+        "states",
         "template",
         "templated",
     )
@@ -38,17 +41,12 @@ class LoopBody:
     @classmethod
     def of(cls, frame: Any) -> LoopBody | None:
         """From the frame of the caller of the engine's ``generate``, if it is the simple path's."""
-        outer = frame.f_back if frame is not None else None
-        if (
-            frame is None
-            or outer is None
-            or frame.f_code.co_name != "_generate_with_builtin_tools"
-            or outer.f_code.co_name != "_process_simple_streaming_events"
-        ):
+        local = vllm_seams.responses_loop_locals(frame)
+        if local is None:
             return None
         try:
-            return cls(outer.f_locals)
-        except (KeyError, ImportError):  # not the generator this was written against
+            return cls(local)
+        except (vllm_seams.SeamChanged, KeyError, ImportError, AttributeError):  # not the generator expected
             return None
 
     def __init__(self, local: dict[str, Any]) -> None:
@@ -59,10 +57,11 @@ class LoopBody:
         from vllm.entrypoints.openai.responses import streaming_events as events
 
         self.names, self.events = names, events
-        for name in ("as_list", "split_delta", "maybe_filter_parallel_tool_calls", "_StateType", "DeltaMessage"):
+        for name in ("as_list", "split_delta", "maybe_filter_parallel_tool_calls", "DeltaMessage"):
             getattr(names, name)
+        self.states = vllm_seams.responses_state_type()
         # The generator's sequence number: the closure cell its numbering function counts in.
-        self.counter = self.number.__closure__[self.number.__code__.co_freevars.index("sequence_number")]
+        self.counter = vllm_seams.sequence_number_cell(self.number)
         self.template: tuple[Any, ...] | None = None  # (key, the delta event's bytes around the delta and the number)
         self.templated = 0  # delta events written from the template (tests read it)
 
@@ -91,7 +90,7 @@ class LoopBody:
         number = self.number
         for dm in names.split_delta(delta_message):
             target_state, tool_call = processor.resolve_target_state(dm)
-            if target_state == names._StateType.NONE:
+            if target_state == self.states.NONE:
                 continue
             if processor.needs_transition(target_state, tool_call):
                 for event in processor.close_current():
@@ -108,15 +107,15 @@ class LoopBody:
         that event (built by vLLM's own ``emit_simple_*_delta`` on a copy of the state, so its class
         and fields are vLLM's), the state's text grown as ``emit_delta`` grows it; False (nothing
         done) for what the template does not cover: logprobs, custom tools, empty arguments."""
-        events, state = self.events, self.processor.state
+        events, state, states = self.events, self.processor.state, self.states
         kind = state.current_state
-        if kind == events._StateType.REASONING:
+        if kind == states.REASONING:
             delta, make = dm.reasoning, events.emit_simple_reasoning_delta
-        elif kind == events._StateType.CONTENT:
+        elif kind == states.CONTENT:
             if self.logprobs(output):
                 return False
             delta, make = dm.content, events.emit_simple_content_delta
-        elif kind == events._StateType.TOOL_CALL and not state.tool_call_is_custom:
+        elif kind == states.TOOL_CALL and not state.tool_call_is_custom:
             delta = "".join(
                 tc.function.arguments for tc in dm.tool_calls or () if tc.function is not None and tc.function.arguments
             )
@@ -129,8 +128,7 @@ class LoopBody:
         if self.template is None or self.template[0] != key:
             self.template = (key, *_template(make, state))
         _, head, middle, tail, delta_first = self.template
-        number = self.counter.cell_contents
-        self.counter.cell_contents = number + 1
+        number = vllm_seams.take_sequence_number(self.counter)
         state.accumulated_text += delta
         text, count = pydantic_core.to_json(delta), str(number).encode()
         sink(Frame(head + text + middle + count + tail if delta_first else head + count + middle + text + tail, number))

@@ -12,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 from collections import deque
 from typing import Any
 
-from ..translate import streampath
+from ..translate import streampath, vllm_seams
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import _EngineStandIn
 from ..translate.stream import WAIT, advance, close_chain
@@ -66,7 +65,7 @@ class Session:
         self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
         self.called.set()
         if self.request.stream and streampath.ENABLED:
-            self._loop = LoopBody.of(sys._getframe(2))
+            self._loop = LoopBody.of(vllm_seams.engine_caller())
         return self._outputs()
 
     async def _outputs(self):

@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any
 
-from . import streampath
+from . import streampath, vllm_seams
 from .model import Model
 from .render import Rendered
 from .stream import ChatStream
@@ -89,10 +89,10 @@ class _Frame:
     def __init__(self, raw: Any, serving: Any) -> None:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
-        local = raw.ag_frame.f_locals  # KeyError / AttributeError: not the generator expected
+        local = vllm_seams.chat_generator_locals(raw)
         self.processors = local["processors"]
         self.generated = local["generated_token_ids"]
-        self.reasoning_details = bool(serving._include_reasoning_tokens_details)
+        self.reasoning_details = vllm_seams.include_reasoning_tokens_details(serving)
         self.fields = {
             "id": local["request_id"],
             "object": local["chunk_object_type"],
@@ -247,7 +247,7 @@ class LeanChatStream(ChatStream):
     def _take_frame(self) -> _Frame | bool:
         try:
             return _Frame(self._raw, self._serving_chat)
-        except (AttributeError, KeyError, TypeError, ValueError):
+        except (vllm_seams.SeamChanged, AttributeError, KeyError, TypeError, ValueError):
             log.warning("vLLM's chat stream generator is not as expected: its path for this stream", exc_info=True)
             return False
 

@@ -30,6 +30,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import vllm_seams
+
 log = logging.getLogger("derender.longprompt")
 
 MIN_CHARS = 24_000  # shorter text (~6k tokens): one call, as vLLM does
@@ -140,7 +142,7 @@ def pieces(tokenizer: Any, text: str) -> list[str]:
         windows += [left + right, left, right]
     # The tokenizer itself, not vLLM's thread-safe wrapper (which borrows a copy per call):
     # reading is thread-safe, and these texts are far too short for any truncation to matter.
-    ids = [e.ids for e in tokenizer._tokenizer.encode_batch_fast(windows, add_special_tokens=False)]
+    ids = [e.ids for e in vllm_seams.raw_tokenizer(tokenizer).encode_batch_fast(windows, add_special_tokens=False)]
     cuts = [cut for k, cut in enumerate(candidates) if ids[3 * k] == ids[3 * k + 1] + ids[3 * k + 2]]
     edges = [0, *cuts, len(text)]
     return [text[a:b] for a, b in itertools.pairwise(edges)]
@@ -168,20 +170,19 @@ split_prompts = 0
 
 def install(renderer: Any) -> bool:
     """Route the renderer's long text prompts through ``pieces`` and ``encode``; False if unsafe."""
-    from vllm.utils.async_utils import make_async
 
     tokenizer = renderer.get_tokenizer()
     if not splittable(tokenizer):
         log.info("long prompts are tokenized in one call (tokenizer not known to split safely)")
         return False
-    original = renderer._tokenize_prompt
+    original = vllm_seams.renderer_tokenize_prompt(renderer)
 
     def tokenize_prompt(prompt: Any, params: Any) -> Any:
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or len(text) < MIN_CHARS:
             return original(prompt, params)
         kwargs = params.get_encode_kwargs()
-        if kwargs.get("add_special_tokens") or renderer._wants_offsets(prompt, params):
+        if kwargs.get("add_special_tokens") or vllm_seams.renderer_wants_offsets(renderer, prompt, params):
             return original(prompt, params)
         parts = pieces(tokenizer, text)
         if len(parts) < 2:
@@ -192,8 +193,7 @@ def install(renderer: Any) -> bool:
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
         if limit is not None and len(ids) > limit:  # as the tokenizer truncates one sequence
             ids = ids[:limit] if tokenizer.truncation_side == "right" else ids[-limit:]
-        return renderer._build_tokens_prompt(ids, prompt, offset_mapping=None)
+        return vllm_seams.renderer_tokens_prompt(renderer, ids, prompt)
 
-    renderer._tokenize_prompt = tokenize_prompt
-    renderer._tokenize_prompt_async = make_async(tokenize_prompt, executor=renderer._executor)
+    vllm_seams.set_renderer_tokenize_prompt(renderer, tokenize_prompt)
     return True

@@ -21,6 +21,8 @@ import ipaddress
 import os
 from typing import Any
 
+from . import vllm_seams
+
 DEFAULT_MAX_MEDIA_MB = "20"
 os.environ.setdefault("VLLM_MAX_MEDIA_DOWNLOAD_SIZE_MB", DEFAULT_MAX_MEDIA_MB)
 
@@ -64,9 +66,7 @@ def install(networks: tuple[str, ...] | list[str] = ()) -> None:
                 )
             return hosts
 
-    from vllm.multimodal.media.connector import MediaConnector
-
-    load_file_url = MediaConnector._load_file_url
+    load_file_url = vllm_seams.media_file_loader()
 
     def _load_file_url(self: Any, url_spec: Any, media_io: Any) -> Any:
         """vLLM refuses a file URL outside --allowed-local-media-path with a RuntimeError (a 500): the
@@ -76,14 +76,14 @@ def install(networks: tuple[str, ...] | list[str] = ()) -> None:
         except RuntimeError as exc:
             raise VLLMValidationError(str(exc), parameter="image_url") from None
 
-    MediaConnector._load_file_url = _load_file_url  # type: ignore[method-assign]
+    vllm_seams.set_media_file_loader(_load_file_url)
     connection = global_http_connection
 
     async def get_async_client() -> aiohttp.ClientSession:
-        client = connection._async_client
+        client = vllm_seams.http_client(connection)
         if client is None or client.closed:
             client = aiohttp.ClientSession(connector=GuardedConnector(), trust_env=False)
-            connection._async_client = client
+            vllm_seams.set_http_client(connection, client)
         return client
 
     def get_sync_client() -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import longprompt, media, vision
+from . import longprompt, media, vision, vllm_seams
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -179,7 +179,7 @@ class Model:
             # (it sends an item seen before as None); the filter has none, and a producer reads None as
             # "in my cache". Every path renders through the processor-only cache, as vLLM's render
             # endpoints do (``skip_mm_cache=True``): Responses (vLLM's own serving class) included.
-            self.renderer._mm_processor_cache = self.renderer._mm_processor_only_cache
+            vllm_seams.render_through_processor_only_cache(self.renderer)
             vision.guard_features(self.serving_render)  # sparse placeholders: a 400, not a wrong answer
         self.tokenizer = self.renderer.get_tokenizer()
         self.parser_cls = self.online_renderer.parser
@@ -194,6 +194,8 @@ class Model:
         # vllm serve --stream-interval: every streaming producer request asks for an event every N tokens.
         self.stream_interval: int = args.stream_interval
         self.long_prompts = longprompt.install(self.renderer)
+        for problem in vllm_seams.check_once():
+            log.warning("%s; the filter falls back to vLLM's own path where it can", problem)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from . import vllm_seams
 from .errors import HTTPError, from_exception, parse_body
 from .model import Model
 
@@ -74,7 +75,7 @@ async def render_chat_request(model: Model, request: Any, x_request_id: str | No
         prompt_token_ids=list(result.token_ids),
         params=result.sampling_params,
         body=producer_body(result, usage=model.prompt_tokens_details, stream_interval=model.stream_interval),
-        chat_template_kwargs=model.serving_chat._effective_chat_template_kwargs(request),
+        chat_template_kwargs=vllm_seams.effective_chat_template_kwargs(model.serving_chat, request),
         conversation=conversation,
         media=media_of(result.features),
     )

@@ -15,7 +15,7 @@ import json
 from collections import deque
 from typing import Any
 
-from . import streampath
+from . import streampath, vllm_seams
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
@@ -348,7 +348,7 @@ async def chat_response(chat: Any, model: Model, rendered: Rendered, final: Any)
     request = rendered.request
     parser = None
     if chat.parser_cls is not None:
-        parser = chat._make_parser(request, model.tokenizer, rendered.chat_template_kwargs)
+        parser = vllm_seams.make_parser(chat, request, model.tokenizer, rendered.chat_template_kwargs)
     result = await chat.chat_completion_full_generator(
         request,
         results(),

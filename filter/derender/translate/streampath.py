@@ -22,9 +22,9 @@ def memoize_parser_tables() -> None:
     (engine config, tokenizer) here -- vLLM caches its configs, so they are the same objects --
     and shared, as vLLM shares the config's own shape; ``--stream-path vllm`` builds them anew.
     ``tests/test_lean.py`` checks the shared table equals a fresh one for every shipped parser."""
-    from vllm.parser.engine import streaming_parser_engine as engine
+    from . import vllm_seams
 
-    build = engine._build_drop_info
+    build = vllm_seams.parser_drop_table_builder()
     if getattr(build, "derender_memo", False):
         return
     tables: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
@@ -41,4 +41,4 @@ def memoize_parser_tables() -> None:
     drop_info.derender_memo = True  # type: ignore[attr-defined]
     drop_info.built = build  # type: ignore[attr-defined]
     drop_info.tables = tables  # type: ignore[attr-defined]
-    engine._build_drop_info = drop_info
+    vllm_seams.set_parser_drop_table_builder(drop_info)

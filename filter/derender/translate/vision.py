@@ -22,6 +22,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from . import vllm_seams
+
 log = logging.getLogger("derender.vision")
 
 
@@ -50,13 +52,9 @@ def ensure_torchvision() -> None:
 
 def register_in_process(model: str) -> None:
     """Load the model folder's architectures in this process so vLLM inspects them here."""
-    from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _RegisteredModel
-
     config = json.loads((Path(model) / "config.json").read_text())
     for arch in config.get("architectures") or ():
-        registered = ModelRegistry.models.get(arch)
-        if isinstance(registered, _LazyRegisteredModel):
-            ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(registered.load_model_cls())
+        vllm_seams.register_in_process(arch)
 
 
 def check_dense(engine_input: Any) -> None:
@@ -81,13 +79,15 @@ def check_dense(engine_input: Any) -> None:
 def guard_features(serving_render: Any) -> None:
     """Every feature extraction of ``serving_render`` (vLLM's ``ServingRender``, which every endpoint's
     image path goes through) refuses sparse placeholders first (``check_dense``)."""
-    extract = serving_render._extract_mm_features
 
-    def checked(engine_input: Any, **kwargs: Any) -> Any:
-        check_dense(engine_input)
-        return extract(engine_input, **kwargs)
+    def guarded(extract: Any) -> Any:
+        def checked(engine_input: Any, **kwargs: Any) -> Any:
+            check_dense(engine_input)
+            return extract(engine_input, **kwargs)
 
-    serving_render._extract_mm_features = checked
+        return checked
+
+    vllm_seams.wrap_mm_features(serving_render, guarded)
 
 
 def prepare(model: str) -> bool:

@@ -1,0 +1,498 @@
+"""Every use of vLLM's non-public surface, in one module.
+
+The filter reuses vLLM 0.33's own serving code for parity, and in a few places it reaches past vLLM's
+public API: a private method called, a private attribute read or replaced, a running generator's
+locals, a caller's frame, a closure cell. Each such place is a *seam*, listed in ``SEAMS`` with where
+in vLLM it was read (vLLM ``VLLM``), what the filter takes from it, and a check of its shape in the
+installed vLLM. The rest of the package goes through the functions below and nothing else
+(``tests/test_layout.py`` finds any private name or frame read elsewhere); ``check()`` says which
+seams an installed vLLM has moved (``tests/test_vllm_seams.py``, and ``derender serve`` logs it at
+start-up), so an upgrade names the seam that broke rather than failing somewhere downstream.
+
+The module is longer than 400 lines on purpose: it is the catalogue, one short entry per seam, and
+keeping every seam in one place is its point.
+
+Most seams have a fallback where they are used (vLLM's own path for the stream, the plain call);
+the checks are for the reader of a failed upgrade, not for correctness at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType
+from typing import Any
+
+VLLM = "0.33.0"  # the vLLM every seam below was read from
+
+
+class SeamChanged(Exception):
+    """The installed vLLM no longer has a seam's shape."""
+
+    def __init__(self, seam: str, detail: str) -> None:
+        super().__init__(f"vLLM seam {seam!r} (read from vLLM {VLLM}) is not as expected: {detail}")
+        self.seam = seam
+
+
+@dataclass(frozen=True)
+class Seam:
+    name: str
+    where: str  # vLLM's module:qualified name
+    use: str  # what the filter takes from it
+    check: Callable[[], None]  # raises SeamChanged if the installed vLLM's shape differs
+
+
+SEAMS: dict[str, Seam] = {}
+
+
+def _seam(name: str, where: str, use: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(check: Callable[[], None]) -> Callable[[], None]:
+        SEAMS[name] = Seam(name, where, use, check)
+        return check
+
+    return register
+
+
+def check() -> list[str]:
+    """What differs in the installed vLLM: one line per seam that moved (empty: every seam holds)."""
+    problems = []
+    for seam in SEAMS.values():
+        try:
+            seam.check()
+        except SeamChanged as exc:
+            problems.append(str(exc))
+        except Exception as exc:  # noqa: BLE001 - an import or attribute gone: that seam moved
+            problems.append(str(SeamChanged(seam.name, f"{type(exc).__name__}: {exc}")))
+    return problems
+
+
+@functools.cache
+def check_once() -> tuple[str, ...]:
+    """``check()``, once per process (each ``Model`` logs what it found)."""
+    return tuple(check())
+
+
+# -- shape checks ------------------------------------------------------------------------------------
+def _find(where: str) -> Any:
+    """``module:Qual.name`` -> the object."""
+    module, _, qualname = where.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _code(where: str) -> CodeType:
+    return inspect.unwrap(_find(where)).__code__
+
+
+def _nested(code: CodeType, name: str) -> CodeType:
+    """The code of the function ``name`` defined inside ``code``."""
+    for const in code.co_consts:
+        if isinstance(const, CodeType) and const.co_name == name:
+            return const
+    raise SeamChanged(name, f"no function {name} inside {code.co_name}")
+
+
+def _has_locals(seam: str, code: CodeType, names: tuple[str, ...]) -> None:
+    found = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise SeamChanged(seam, f"{code.co_name} has no local {', '.join(missing)}")
+
+
+def _sets(seam: str, code: CodeType, attribute: str) -> None:
+    if attribute not in code.co_names:
+        raise SeamChanged(seam, f"{code.co_name} no longer sets or reads .{attribute}")
+
+
+def _parameters(seam: str, where: str, names: tuple[str, ...]) -> None:
+    params = inspect.signature(_find(where)).parameters
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise SeamChanged(seam, f"{where} takes no {', '.join(missing)} (it takes {', '.join(params)})")
+
+
+# -- the chat stream generator (translate/lean.py) -----------------------------------------------------
+CHAT_GENERATOR = (
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_stream_generator_raw"
+)
+CHAT_LOCALS = ("processors", "generated_token_ids", "request_id", "chunk_object_type", "created_time", "model_name")
+
+
+@_seam(
+    "chat generator locals",
+    CHAT_GENERATOR,
+    "the running generator's per-choice processors, its generated ids and the chunk's fields: the lean "
+    "path steps the same processors for the middle events",
+)
+def _check_chat_locals() -> None:
+    _has_locals("chat generator locals", _code(CHAT_GENERATOR), CHAT_LOCALS)
+
+
+def chat_generator_locals(raw: Any) -> dict[str, Any]:
+    """The locals of vLLM's running chat stream generator ``raw`` (after its first chunk)."""
+    local = raw.ag_frame.f_locals
+    missing = [n for n in CHAT_LOCALS if n not in local]
+    if missing:
+        raise SeamChanged("chat generator locals", f"no {', '.join(missing)} in the running generator")
+    return local
+
+
+@_seam(
+    "reasoning token details",
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.__init__",
+    "whether the generator counts reasoning tokens per chunk (_include_reasoning_tokens_details)",
+)
+def _check_reasoning_details() -> None:
+    _sets("reasoning token details", _code(SEAMS["reasoning token details"].where), "_include_reasoning_tokens_details")
+
+
+def include_reasoning_tokens_details(serving_chat: Any) -> bool:
+    return bool(serving_chat._include_reasoning_tokens_details)
+
+
+# -- the Messages converter (endpoints/messages.py) ----------------------------------------------------
+CONVERTER = "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.message_stream_converter"
+
+
+@_seam(
+    "messages converter state",
+    CONVERTER,
+    "the running converter's open-block state (state.block_type, state.block_index): middle deltas of an "
+    "open block are written from a template",
+)
+def _check_converter_state() -> None:
+    code = _code(CONVERTER)
+    _has_locals("messages converter state", code, ("state",))
+    block = _nested(code, "_ActiveBlockState")
+    init = _nested(block, "__init__")
+    for field in ("block_type", "block_index"):
+        _sets("messages converter state", init, field)
+
+
+def converter_block_state(converter: Any) -> Any:
+    """The open-block state of vLLM's running Messages converter ``converter``."""
+    try:
+        state = converter.ag_frame.f_locals["state"]
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise SeamChanged("messages converter state", f"{type(exc).__name__}: {exc}") from None
+    if not hasattr(state, "block_type") or not hasattr(state, "block_index"):
+        raise SeamChanged("messages converter state", "the state has no block_type / block_index")
+    return state
+
+
+@_seam(
+    "messages inline system",
+    "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.__init__",
+    "_merge_inline_system, which to_chat_completion_request takes from the serving object",
+)
+def _check_merge_inline_system() -> None:
+    _sets("messages inline system", _code(SEAMS["messages inline system"].where), "_merge_inline_system")
+    _parameters(
+        "messages inline system",
+        "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.to_chat_completion_request",
+        ("anthropic_request", "merge_inline_system"),
+    )
+
+
+def merge_inline_system(serving_messages: Any) -> Any:
+    return serving_messages._merge_inline_system
+
+
+# -- the Responses loop (endpoints/responses_lean.py, responses_session.py) -----------------------------
+RESPONSES = "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses"
+LOOP_LOCALS = ("context", "request", "processor", "_get_logprobs", "_increment_sequence_number_and_return")
+
+
+@_seam(
+    "responses loop frame",
+    f"{RESPONSES}._process_simple_streaming_events",
+    "the objects of the simple streaming loop (context, request, event processor, logprobs and "
+    "sequence-number functions), from the frame that calls the engine's generate through "
+    "_generate_with_builtin_tools: the lean path runs the loop's body with them",
+)
+def _check_responses_loop() -> None:
+    _has_locals("responses loop frame", _code(f"{RESPONSES}._process_simple_streaming_events"), LOOP_LOCALS)
+    tools = _code(f"{RESPONSES}._generate_with_builtin_tools")
+    _sets("responses loop frame", tools, "generate")
+
+
+def responses_loop_locals(engine_caller: Any) -> dict[str, Any] | None:
+    """The simple streaming loop's locals, from the frame of whatever called the engine's ``generate``
+    (``_generate_with_builtin_tools``, called by ``_process_simple_streaming_events``); None for any
+    other caller (Harmony's path, a vLLM that moved it)."""
+    outer = engine_caller.f_back if engine_caller is not None else None
+    if (
+        engine_caller is None
+        or outer is None
+        or engine_caller.f_code.co_name != "_generate_with_builtin_tools"
+        or outer.f_code.co_name != "_process_simple_streaming_events"
+    ):
+        return None
+    local = outer.f_locals
+    return local if all(n in local for n in LOOP_LOCALS) else None
+
+
+def engine_caller() -> Any:
+    """The frame that called the engine's ``generate``, for ``responses_session.Session.generate``
+    (which the stand-in engine's ``generate`` calls): three frames up from here."""
+    return sys._getframe(3)
+
+
+@_seam(
+    "responses sequence number",
+    f"{RESPONSES}.responses_stream_generator",
+    "the cell of the closure that numbers events (sequence_number): events written from a template "
+    "take their number from it and count it up",
+)
+def _check_sequence_number() -> None:
+    code = _code(SEAMS["responses sequence number"].where)
+    numbering = _nested(code, "_increment_sequence_number_and_return")
+    if "sequence_number" not in numbering.co_freevars:
+        raise SeamChanged("responses sequence number", "the numbering function closes over no sequence_number")
+
+
+def sequence_number_cell(numbering: Callable[..., Any]) -> Any:
+    """The closure cell that vLLM's numbering function counts in (``cell_contents``: the next number)."""
+    try:
+        return numbering.__closure__[numbering.__code__.co_freevars.index("sequence_number")]  # type: ignore[index]
+    except (AttributeError, ValueError, TypeError) as exc:
+        raise SeamChanged("responses sequence number", f"{type(exc).__name__}: {exc}") from None
+
+
+def take_sequence_number(cell: Any) -> int:
+    """The next event number of ``sequence_number_cell``, counted up as vLLM's numbering function does."""
+    number = cell.cell_contents
+    cell.cell_contents = number + 1
+    return number
+
+
+@_seam(
+    "responses event states",
+    "vllm.entrypoints.openai.responses.streaming_events:_StateType",
+    "the event processor's states (NONE, REASONING, CONTENT, TOOL_CALL), which the loop body compares",
+)
+def _check_state_type() -> None:
+    states = _find(SEAMS["responses event states"].where)
+    for name in ("NONE", "REASONING", "CONTENT", "TOOL_CALL"):
+        getattr(states, name)
+
+
+def responses_state_type() -> Any:
+    from vllm.entrypoints.openai.responses import streaming_events
+
+    return streaming_events._StateType
+
+
+# -- private methods called -------------------------------------------------------------------------
+@_seam(
+    "chat template kwargs",
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat._effective_chat_template_kwargs",
+    "a chat request's chat-template kwargs as the serving object merges them (the parsers take them)",
+)
+def _check_template_kwargs() -> None:
+    _parameters("chat template kwargs", SEAMS["chat template kwargs"].where, ("request",))
+
+
+def effective_chat_template_kwargs(serving_chat: Any, request: Any) -> dict[str, Any]:
+    return serving_chat._effective_chat_template_kwargs(request)
+
+
+@_seam(
+    "chat parser",
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat._make_parser",
+    "the reasoning / tool parser of a chat request, built as the serving object builds it",
+)
+def _check_make_parser() -> None:
+    _parameters("chat parser", SEAMS["chat parser"].where, ("request", "tokenizer", "chat_template_kwargs"))
+
+
+def make_parser(serving_chat: Any, request: Any, tokenizer: Any, chat_template_kwargs: Any) -> Any:
+    return serving_chat._make_parser(request, tokenizer, chat_template_kwargs)
+
+
+@_seam(
+    "completion prompt text",
+    "vllm.entrypoints.serve.engine.serving:BaseServing._extract_prompt_text",
+    "the prompt text a non-streaming completion echoes",
+)
+def _check_prompt_text() -> None:
+    _parameters("completion prompt text", SEAMS["completion prompt text"].where, ("prompt",))
+
+
+def extract_prompt_text(serving: Any, engine_input: Any) -> Any:
+    return serving._extract_prompt_text(engine_input)
+
+
+@_seam(
+    "multimodal features",
+    "vllm.entrypoints.scale_out.render.serving:ServingRender._extract_mm_features",
+    "a rendered prompt's images as the generate wire carries them; wrapped to refuse sparse placeholders",
+)
+def _check_mm_features() -> None:
+    _parameters("multimodal features", SEAMS["multimodal features"].where, ("engine_input", "mm_payload"))
+
+
+def extract_mm_features(serving_render: Any, engine_input: Any, **kwargs: Any) -> Any:
+    return serving_render._extract_mm_features(engine_input, **kwargs)
+
+
+def wrap_mm_features(serving_render: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """``serving_render``'s feature extraction becomes ``wrap(its own)``."""
+    serving_render._extract_mm_features = wrap(serving_render._extract_mm_features)
+
+
+# -- replaced or read inside vLLM's objects -------------------------------------------------------------
+@_seam(
+    "parser drop table",
+    "vllm.parser.engine.streaming_parser_engine:_build_drop_info",
+    "the streaming parser engine's drop table, built once per (config, tokenizer) on the lean path",
+)
+def _check_drop_info() -> None:
+    _parameters("parser drop table", SEAMS["parser drop table"].where, ("config", "tokenizer"))
+
+
+def parser_drop_table_builder() -> Any:
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    return engine._build_drop_info
+
+
+def set_parser_drop_table_builder(build: Callable[..., Any]) -> None:
+    from vllm.parser.engine import streaming_parser_engine as engine
+
+    engine._build_drop_info = build
+
+
+RENDERER = "vllm.renderers.base:BaseRenderer"
+
+
+@_seam(
+    "renderer tokenization",
+    RENDERER,
+    "a text prompt's tokenization (_tokenize_prompt, its async twin on _executor, _wants_offsets, "
+    "_build_tokens_prompt), replaced to tokenize long prompts in pieces",
+)
+def _check_renderer() -> None:
+    _parameters("renderer tokenization", f"{RENDERER}._tokenize_prompt", ("prompt", "params"))
+    _parameters("renderer tokenization", f"{RENDERER}._wants_offsets", ("prompt", "params"))
+    _parameters("renderer tokenization", f"{RENDERER}._build_tokens_prompt", ("token_ids", "prompt", "offset_mapping"))
+    for name in ("_executor", "_tokenize_prompt_async"):  # set in __init__: the async twin runs on the executor
+        _sets("renderer tokenization", _code(f"{RENDERER}.__init__"), name)
+
+
+def renderer_tokenize_prompt(renderer: Any) -> Callable[[Any, Any], Any]:
+    return renderer._tokenize_prompt
+
+
+def renderer_wants_offsets(renderer: Any, prompt: Any, params: Any) -> bool:
+    return renderer._wants_offsets(prompt, params)
+
+
+def renderer_tokens_prompt(renderer: Any, ids: list[int], prompt: Any) -> Any:
+    return renderer._build_tokens_prompt(ids, prompt, offset_mapping=None)
+
+
+def set_renderer_tokenize_prompt(renderer: Any, tokenize_prompt: Callable[[Any, Any], Any]) -> None:
+    from vllm.utils.async_utils import make_async
+
+    renderer._tokenize_prompt = tokenize_prompt
+    renderer._tokenize_prompt_async = make_async(tokenize_prompt, executor=renderer._executor)
+
+
+def raw_tokenizer(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` inside vLLM's Hugging Face tokenizer wrapper."""
+    return tokenizer._tokenizer
+
+
+@_seam(
+    "processor-only image cache",
+    f"{RENDERER}.__init__",
+    "the renderer's sender-side image cache (_mm_processor_cache) swapped for its processor-only one",
+)
+def _check_mm_cache() -> None:
+    init = _code(f"{RENDERER}.__init__")
+    for name in ("_mm_processor_cache", "_mm_processor_only_cache"):
+        _sets("processor-only image cache", init, name)
+
+
+def render_through_processor_only_cache(renderer: Any) -> None:
+    renderer._mm_processor_cache = renderer._mm_processor_only_cache
+
+
+@_seam(
+    "media file URLs",
+    "vllm.multimodal.media.connector:MediaConnector._load_file_url",
+    "file:// image loading, wrapped so a forbidden path is the client's 400",
+)
+def _check_file_url() -> None:
+    _parameters("media file URLs", SEAMS["media file URLs"].where, ("url_spec", "media_io"))
+
+
+def media_file_loader() -> Callable[..., Any]:
+    from vllm.multimodal.media.connector import MediaConnector
+
+    return MediaConnector._load_file_url
+
+
+def set_media_file_loader(load: Callable[..., Any]) -> None:
+    from vllm.multimodal.media.connector import MediaConnector
+
+    MediaConnector._load_file_url = load  # type: ignore[method-assign]
+
+
+@_seam(
+    "media HTTP client",
+    "vllm.connections:HTTPConnection.get_async_client",
+    "the aiohttp session image URLs are fetched with (_async_client), made with a guarded connector",
+)
+def _check_http_client() -> None:
+    _sets("media HTTP client", _code(SEAMS["media HTTP client"].where), "_async_client")
+
+
+def http_client(connection: Any) -> Any:
+    return connection._async_client
+
+
+def set_http_client(connection: Any, client: Any) -> None:
+    connection._async_client = client
+
+
+@_seam(
+    "model registry",
+    "vllm.model_executor.models.registry:_LazyRegisteredModel",
+    "a model's architecture loaded in this process (_RegisteredModel.from_model_cls) so it is inspected here",
+)
+def _check_registry() -> None:
+    _find("vllm.model_executor.models.registry:_LazyRegisteredModel.load_model_cls")
+    _find("vllm.model_executor.models.registry:_RegisteredModel.from_model_cls")
+
+
+def register_in_process(arch: str) -> None:
+    """Load architecture ``arch`` in this process if vLLM registered it lazily."""
+    from vllm.model_executor.models.registry import ModelRegistry, _LazyRegisteredModel, _RegisteredModel
+
+    registered = ModelRegistry.models.get(arch)
+    if isinstance(registered, _LazyRegisteredModel):
+        ModelRegistry.models[arch] = _RegisteredModel.from_model_cls(registered.load_model_cls())
+
+
+@_seam(
+    "stop strings error",
+    "vllm.entrypoints.scale_out.derender.serving:_STREAM_STOP_STRINGS_ERROR",
+    "the render tier's refusal of stop strings on streams, answered before the tier is asked",
+)
+def _check_stop_strings() -> None:
+    if not isinstance(_find(SEAMS["stop strings error"].where), str):
+        raise SeamChanged("stop strings error", "not a string")
+
+
+def stream_stop_strings_error() -> str:
+    from vllm.entrypoints.scale_out.derender.serving import _STREAM_STOP_STRINGS_ERROR
+
+    return _STREAM_STOP_STRINGS_ERROR
