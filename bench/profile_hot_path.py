@@ -135,11 +135,16 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     model = hermes_model(model_dir)
     try:
-        from derender.translate import streampath
+        from derender.settings import Settings
 
-        streampath.ENABLED = args.stream_path == "lean"
-    except ImportError:  # a tree from before the lean path (an A/B against it)
-        pass
+        model = model.with_settings(Settings(stream_path=args.stream_path))
+    except ImportError:  # a tree from before the settings object (an A/B against it): its module switch
+        try:
+            from derender.translate import lean
+
+            lean.ENABLED = args.stream_path == "lean"
+        except ImportError:  # from before the lean path
+            pass
     if args.when_told:
         print("loaded", flush=True)
         sys.stdin.readline()

@@ -13,7 +13,6 @@ done the middle events itself (so the test compares two paths, not one with itse
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 
@@ -25,7 +24,7 @@ from parity_cases import ANSWERS, PARIS, TOOLS
 from parity_paths import ASSET, MAX_MODEL_LEN, MODELS
 
 from derender.ops import assets
-from derender.translate import streampath
+from derender.settings import Settings
 
 _MODELS: dict = {}
 
@@ -93,15 +92,9 @@ def normal(data: bytes) -> bytes:
     return TOOL_CALL_ID.sub(b'"id":"call-id"', CREATED.sub(b'"created":0', data))
 
 
-@contextlib.contextmanager
-def vllm_path():
-    """Streams built inside take vLLM's path for every event (``--stream-path vllm``)."""
-
-    streampath.ENABLED = False
-    try:
-        yield
-    finally:
-        streampath.ENABLED = True
+def vllm_path(model):
+    """``model`` served on vLLM's path for every event (``--stream-path vllm``)."""
+    return model.with_settings(Settings(stream_path="vllm"))
 
 
 def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, int, int]:
@@ -114,8 +107,7 @@ def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, 
     assert reference.request_id == rendered.request_id
     assert lean.eligible(model, rendered), body
     lean_stream = lean.LeanChatStream(model, rendered)
-    with vllm_path():
-        vllm_stream = ChatStream(model, reference)
+    vllm_stream = ChatStream(vllm_path(model), reference)
     assert vllm_stream.outputs.direct_state is None
     vllm_bytes = run(vllm_stream, payloads)
     lean_bytes = run(lean_stream, payloads)
@@ -248,8 +240,7 @@ def test_lean_messages_path_sends_vllms_bytes(name):
         if chat.get("chat_template_kwargs"):  # thinking off: a chat-only knob here
             return
         body = messages_body(chat)
-        with vllm_path():
-            reference = MessagesStream(model, rendered(body))
+        reference = MessagesStream(vllm_path(model), rendered(body))
         lean_rendered = rendered(body)
         assert lean.eligible(model, lean_rendered, continuous_usage=True)
         lean_stream = LeanMessagesStream(model, lean_rendered)
@@ -284,7 +275,8 @@ def _shape(info) -> tuple:
 def test_shared_parser_tables_equal_fresh_ones(name, monkeypatch):
     """The lean path builds vLLM's parser drop tables once per (engine config, tokenizer) and shares
     them: for every parser a request of this configuration makes, the shared table equals the one
-    vLLM builds anew, and ``--stream-path vllm`` gets a fresh one every time."""
+    vLLM builds anew (``test_stream_path_vllm_leaves_vllm_unpatched``: a process on vLLM's path keeps
+    vLLM's builder, which makes a fresh one every time)."""
     from vllm.parser.engine import streaming_parser_engine as engine
 
 
@@ -305,10 +297,8 @@ def test_shared_parser_tables_equal_fresh_ones(name, monkeypatch):
     for config, tokenizer, shared in tables:
         assert memo(config, tokenizer) is shared
         assert _shape(shared) == _shape(memo.built(config, tokenizer))
-        monkeypatch.setattr(streampath, "ENABLED", False)
-        fresh = memo(config, tokenizer)
+        fresh = memo.built(config, tokenizer)  # vLLM's own builder, as a --stream-path vllm process keeps it
         assert fresh is not shared or shared is None
-        monkeypatch.setattr(streampath, "ENABLED", True)
 
 
 def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
@@ -333,8 +323,7 @@ def test_a_parser_failing_mid_stream_ends_both_paths_alike(monkeypatch):
     from derender.translate.stream import ChatStream
 
     reference, rendered = render(model, body), render(model, body)
-    with vllm_path():
-        vllm_bytes = run(ChatStream(model, reference), payloads)
+    vllm_bytes = run(ChatStream(vllm_path(model), reference), payloads)
     calls["n"] = 1000
     stream = lean.LeanChatStream(model, rendered)
     lean_bytes = run(stream, payloads)
@@ -368,8 +357,30 @@ def test_stream_path_vllm_turns_it_off(monkeypatch):
     exchange = ChatExchange(model, None, None)
     exchange.rendered = render(model, {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     assert type(exchange.new_stream()) is lean.LeanChatStream
-    monkeypatch.setattr(streampath, "ENABLED", False)
+    exchange = ChatExchange(vllm_path(model), None, None)
+    exchange.rendered = render(model, {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True})
     assert type(exchange.new_stream()).__name__ == "ChatStream"
+
+
+def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
+    """A process serving only ``--stream-path vllm`` runs vLLM's parser engine as it is: the shared
+    drop tables (``parser_tables``) are the lean path's, installed by a lean model only."""
+    import subprocess
+    import sys
+
+    code = (
+        "from derender.settings import Settings\n"
+        "from derender.translate.model import Model, ModelSpec\n"
+        "from vllm.parser.engine import streaming_parser_engine as engine\n"
+        "import sys\n"
+        "model = Model(ModelSpec(model=sys.argv[1], settings=Settings(stream_path='vllm')))\n"
+        "print('vllm', getattr(engine._build_drop_info, 'derender_memo', False))\n"
+        "model.with_settings(Settings())\n"
+        "print('lean', getattr(engine._build_drop_info, 'derender_memo', False))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-3:-1] == ["vllm False", "lean True"], out.stdout
 
 
 def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):
@@ -453,10 +464,9 @@ def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tu
         session = rendered.session
         return b"".join(out), session.lean_events, loop.templated if loop else 0, session.direct_events
 
-    if lean_on:
-        return asyncio.run(go())
-    with vllm_path():
-        return asyncio.run(go())
+    if not lean_on:
+        model = vllm_path(model)
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gpt-oss"])

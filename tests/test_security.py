@@ -110,18 +110,21 @@ def test_key_sources_and_precedence(monkeypatch):
     args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b"])
     assert args.api_key == ["a", "b"]
     monkeypatch.setenv("DERENDER_API_KEYS", " e1, e2 ,")
-    try:
-        assert auth.configure(None) == 2
-        assert auth.check({":path": "/v1/models", "authorization": "Bearer e2"}) is None
-        assert auth.configure(["a", "b"]) == 2
-        assert auth.check({":path": "/v1/models", "authorization": "Bearer e1"}).status == 401
-        assert auth.check({":path": "/v1/models", "authorization": "Bearer b"}) is None
-        assert auth.check({":path": "/v1/models", ":method": "OPTIONS"}) is None
-        monkeypatch.delenv("DERENDER_API_KEYS")
-        assert auth.configure(None) == 0
-        assert auth.check({":path": "/v1/models"}) is None
-    finally:
-        auth.configure([])
+    from derender.options import settings
+
+    from_env = auth.ApiKeys(auth.resolve(None))
+    assert len(from_env) == 2 and from_env.keys == settings(build_parser().parse_args(["serve"])).api_keys
+    assert from_env.check({":path": "/v1/models", "authorization": "Bearer e2"}) is None
+    from_flags = auth.ApiKeys(settings(args).api_keys)
+    assert len(from_flags) == 2
+    assert from_flags.check({":path": "/v1/models", "authorization": "Bearer e1"}).status == 401
+    assert from_flags.check({":path": "/v1/models", "authorization": "Bearer b"}) is None
+    assert from_flags.check({":path": "/v1/models", ":method": "OPTIONS"}) is None
+    # Two sets of keys at once, each checking its own (no process-wide switch).
+    assert from_env.check({":path": "/v1/models", "authorization": "Bearer b"}).status == 401
+    monkeypatch.delenv("DERENDER_API_KEYS")
+    assert auth.resolve(None) == ()
+    assert auth.ApiKeys(()).check({":path": "/v1/models"}) is None
 
 
 # -- headers the producer must not see ------------------------------------------------------

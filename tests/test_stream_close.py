@@ -34,8 +34,9 @@ def hermes_model(qwen3_dir):
 class Producer:
     """Stands in for the producer: only records aborts."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_timeout: float = 240.0) -> None:
         self.aborted: list[str] = []
+        self.stall_timeout = stall_timeout
 
     def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
         self.aborted.append(request_id)
@@ -76,12 +77,9 @@ async def end_stall(exchange) -> bytes:
 def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_tokenizer, end, api, monkeypatch):
     """Chat (vLLM's chat generator, the lean path's part of it) and Messages (that generator and
     vLLM's Anthropic converter, driven as two chains on the lean path)."""
-    from derender.translate import stall
     from derender.endpoints.chat import ChatExchange
     from derender.endpoints.messages import LeanMessagesStream, MessagesExchange
     from derender.translate.lean import LeanChatStream
-
-    monkeypatch.setattr(stall, "STALL_TIMEOUT", 0.1)
 
     if api == "chat":
         body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
@@ -96,7 +94,7 @@ def test_a_stream_ended_early_leaves_no_generator_running(hermes_model, qwen3_to
 
     async def main() -> bytes:
         asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
-        producer = Producer()
+        producer = Producer(stall_timeout=0.1)
         exchange = exchange_class(hermes_model, producer, None)
         rewrite = await exchange.request_body(json.dumps(body).encode())
         rewrite.then()  # as the ext_proc server does once the request has gone on

@@ -11,10 +11,12 @@ from . import options
 from .extproc import listen
 from .ops import assets
 from .options import model_spec
+from .settings import Settings
 
 
-def served(args: argparse.Namespace):
-    """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags."""
+def served(args: argparse.Namespace, process: Settings):
+    """What ``serve`` serves: the models of ``--config``, a render tier, or one model from the flags,
+    with the process's settings."""
     from .endpoints.router import Backend
     from .routing.clusters import producers
     from .routing.producer import Producer
@@ -32,9 +34,9 @@ def served(args: argparse.Namespace):
         return [
             Backend(
                 e.names,
-                producers(e.producer_urls),
+                producers(e.producer_urls, process.stall_timeout),
                 e.cluster,
-                Model(replace(e.spec, allowed_media_networks=networks, max_producer_body_bytes=limit))
+                Model(replace(e.spec, allowed_media_networks=networks, max_producer_body_bytes=limit, settings=process))
                 if e.spec
                 else None,
                 e.render_url,
@@ -43,8 +45,9 @@ def served(args: argparse.Namespace):
             for e in entries
         ]
     if args.render_url:
-        return Backend(args.served_model_name or [], Producer(args.producer), render_url=args.render_url)
-    return Model(model_spec(args))
+        producer = Producer(args.producer, process.stall_timeout)
+        return Backend(args.served_model_name or [], producer, render_url=args.render_url)
+    return Model(model_spec(args, process))
 
 
 def _logging(args: argparse.Namespace) -> None:
@@ -70,38 +73,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"derender: {exc}") from None
     metrics.configure(args.metrics_host or hosts[0], args.metrics_port)
-    from .ops import auth
-
-    if auth.configure(args.api_key):
+    process = options.settings(args)
+    if process.api_keys:
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)
-    from .translate import stall
-
-    stall.STALL_TIMEOUT = args.stall_timeout
-    from .translate import streampath
-
-    streampath.ENABLED = args.stream_path == "lean"
-    from .extproc import server as extproc
-
-    extproc.DRAIN_TIMEOUT = args.drain_timeout
-    extproc.TRANSPORT = args.transport
-    if args.responses_store:
+    if process.responses_store:
         from .endpoints import responses_store as store
 
         try:
-            store.configure(args.responses_store, args.responses_store_ttl)
+            store.of(process)  # a URL Redis cannot take: refused now, not on the first request
         except ValueError as exc:
             raise SystemExit(f"derender: {exc}") from None
-        print(f"derender: stored responses kept in {args.responses_store}", file=sys.stderr)
+        print(f"derender: stored responses kept in {process.responses_store}", file=sys.stderr)
 
-    model = served(args)
+    model = served(args, process)
     from .routing.balance import RoutingSpec
 
     routing = RoutingSpec(
         args.routing, args.prefix_block_size, args.prefix_caching_hash_algo, key_blocks=args.prefix_key_blocks
     )
     # The workers listen on the addresses resolved here (a network in --host named them once).
-    serve = workers.filter_server(model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args))
+    serve = workers.filter_server(
+        model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process
+    )
     code = workers.run(serve, args.port, args.workers)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.

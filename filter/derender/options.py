@@ -7,6 +7,7 @@ import os
 
 from .extproc import listen
 from .ops import assets
+from .settings import Settings
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = False) -> None:
@@ -117,7 +118,24 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def model_spec(args: argparse.Namespace):
+def settings(args: argparse.Namespace) -> Settings:
+    """The process's ``Settings`` from ``derender serve``'s flags (a parser without them: the defaults)."""
+    from .ops import auth
+
+    defaults = Settings()
+    return Settings(
+        stream_path=getattr(args, "stream_path", None) or defaults.stream_path,
+        stall_timeout=getattr(args, "stall_timeout", defaults.stall_timeout),
+        drain_timeout=getattr(args, "drain_timeout", defaults.drain_timeout),
+        transport=getattr(args, "transport", None) or defaults.transport,
+        api_keys=auth.resolve(getattr(args, "api_key", None)),
+        responses_store=getattr(args, "responses_store", None),
+        responses_store_ttl=getattr(args, "responses_store_ttl", defaults.responses_store_ttl),
+    )
+
+
+def model_spec(args: argparse.Namespace, process: Settings | None = None):
+    """The ``ModelSpec`` the model flags name, served with ``process`` (default: ``settings(args)``)."""
     from .translate.model import ModelSpec
 
     model = args.model or str(assets.fetch("qwen3", quiet=True))
@@ -138,6 +156,7 @@ def model_spec(args: argparse.Namespace):
         allowed_media_networks=tuple(args.allowed_media_networks or ()),
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         max_producer_body_bytes=args.max_producer_body_bytes,
+        settings=process or settings(args),
     )
 
 

@@ -24,7 +24,6 @@ from ..translate.errors import INCOMPLETE, HTTPError, from_exception
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat
 from ..translate.sse import SSEDecoder, SSEError
-from ..translate.stall import message as stall_message
 from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from .lifecycle import ProducerExchange, ms, producer_failure
 
@@ -164,7 +163,7 @@ class ChatExchange(ProducerExchange):
         if isinstance(stream, Collected):
             return await self._collect(stream, chunk, end)
         if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
-            return stream.fail(504, stall_message())
+            return stream.fail(504, self._watch.message())
         try:
             return self._translate(stream, chunk, end)
         except Exception:  # a bug must end this stream cleanly, never the gRPC stream

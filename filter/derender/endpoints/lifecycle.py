@@ -104,7 +104,7 @@ class ProducerExchange:
             self._abort("no answer")
 
     def watch_stalls(self) -> None:
-        self._watch = StallWatch(self.request_id, self._stalled)
+        self._watch = StallWatch(self.request_id, self._stalled, self.producer.stall_timeout)
         self._watch.start()
 
     def _failed(self, error: str) -> None:

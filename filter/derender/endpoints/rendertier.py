@@ -45,7 +45,6 @@ from ..routing.producer import GENERATE_PATH, Producer
 from ..translate import vllm_seams
 from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
-from ..translate.stall import message as stall_message
 from .completions import ONE_PROMPT
 from .lifecycle import ProducerExchange, producer_error
 from .tier_client import CHAT, COMPLETION, RenderTier, TierPaths, chat_echo, tier_error
@@ -196,7 +195,7 @@ class TierExchange(ProducerExchange):
         """Streaming: one body chunk of the producer's SSE -> client bytes, one derender call per event."""
         assert self.stream is not None
         if self._watch is not None and self._watch.chunk():  # whatever comes after the stall's abort
-            return self._fail(504, stall_message())
+            return self._fail(504, self._watch.message())
         out: list[bytes] = []
         try:
             payloads = self._sse.feed(chunk)

@@ -55,7 +55,7 @@ def serving_responses(model: Model) -> Any:
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     serving = model.vllm_serving(OpenAIServingResponses, _ProducerEngine(model.vllm_config, model.renderer))
-    if (shared := store.current()) is not None:
+    if (shared := store.of(model.settings)) is not None:
         shared.install(serving)
     return serving
 
@@ -76,7 +76,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
     request = parse_body(lambda body: ResponsesRequest.model_validate(body, from_attributes=True), raw)
     refuse_builtin_tools(request)
     serving = serving_responses(model)
-    shared = store.current()
+    shared = store.of(model.settings)
     if shared is not None:
         if request.background:
             raise HTTPError(400, NO_BACKGROUND, param="background")
@@ -85,7 +85,7 @@ async def render_responses(model: Model, raw: bytes, x_request_id: str | None) -
                 shared.check()
             except Exception as exc:
                 raise from_exception(exc) from None
-    session = Session(request)
+    session = Session(request, model.lean)
     _STAND_IN_SESSIONS[request.request_id] = session
     session.start(serving)
     await session.until_called()

@@ -15,7 +15,7 @@ import logging
 from collections import deque
 from typing import Any
 
-from ..translate import streampath, vllm_seams
+from ..translate import vllm_seams
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import _EngineStandIn
 from ..translate.stream import WAIT, advance, close_chain
@@ -32,8 +32,9 @@ ONE_GENERATION = (
 class Session:
     """One Responses request: vLLM's ``create_responses`` as a task, fed the producer's outputs."""
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Any, lean: bool = True) -> None:
         self.request = request
+        self.lean = lean  # the lean path (``responses_lean``) takes the middle outputs of a stream
         self.frames: list[bytes] = []
         self.result: Any = None  # create_responses' return value (a response, an error, or a stream)
         self.error: BaseException | None = None
@@ -64,7 +65,7 @@ class Session:
             raise HTTPError(400, ONE_GENERATION, param="tools")
         self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
         self.called.set()
-        if self.request.stream and streampath.ENABLED:
+        if self.request.stream and self.lean:
             self._loop = LoopBody.of(vllm_seams.engine_caller())
         return self._outputs()
 

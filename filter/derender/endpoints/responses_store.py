@@ -16,11 +16,14 @@ was told is stored always is.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
+
+from ..settings import Settings
 
 log = logging.getLogger("derender.store")
 
@@ -133,15 +136,12 @@ class ResponsesStore:
         serving.msg_store = self.messages
 
 
-_store: ResponsesStore | None = None
+@functools.cache
+def _store(url: str, ttl: int) -> ResponsesStore:
+    return ResponsesStore(url, ttl)
 
 
-def configure(url: str | None, ttl: int = DEFAULT_TTL) -> ResponsesStore | None:
-    """The store for this process (``derender serve --responses-store``), or None (vLLM's default: off)."""
-    global _store
-    _store = ResponsesStore(url, ttl) if url else None
-    return _store
-
-
-def current() -> ResponsesStore | None:
-    return _store
+def of(settings: Settings) -> ResponsesStore | None:
+    """The store ``settings`` name (``derender serve --responses-store``), one per URL and TTL in a
+    process, or None (vLLM's default: off)."""
+    return _store(settings.responses_store, settings.responses_store_ttl) if settings.responses_store else None

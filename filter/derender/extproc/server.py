@@ -33,6 +33,7 @@ from ..ops.warmup import warm_up
 from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE, RoutingSpec
 from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, producers
 from ..routing.producer import UPSTREAM_HEADER
+from ..settings import Settings
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
 from . import http2
@@ -106,8 +107,9 @@ def _body_mutation(body: bytes) -> pb.BodyMutation:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, keys: auth.ApiKeys | None = None) -> None:
         self.router = router
+        self.keys = keys or auth.ApiKeys()  # none: every request passes
         self.active = 0
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> None:
@@ -137,7 +139,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 kind = message.WhichOneof("request")
                 if kind == "request_headers" and exchange is None:
                     headers = _header_map(message.request_headers)
-                    denied = auth.check(headers)
+                    denied = self.keys.check(headers)
                     if denied is not None:  # before anything is routed, let alone sent to a producer
                         complete = True
                         await write(_error(registry.shaped(headers.get(":path", "/"), denied)))
@@ -290,20 +292,22 @@ async def serve(
     reuse_port: bool = False,
     routing: RoutingSpec | None = None,
     listener: Listener | None = None,
+    settings: Settings | None = None,
 ) -> None:
     """Serve ext_proc on ``host:port``; ``reuse_port`` lets sibling workers bind the same port."""
     listener = listener or Listener()
-    producer = producers(producer_url.split(","))
+    settings = settings or Settings()
+    producer = producers(producer_url.split(","), settings.stall_timeout)
     router = Router(model, producer, routing)
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
-    processor = kind(router)
+    processor = kind(router, auth.ApiKeys(settings.api_keys))
     hosts = listen_hosts(host)
     address = ", ".join(hostport(h, port) for h in hosts)
-    if TRANSPORT == "http2":
+    if settings.transport == "http2":
         health = Http2Health(("", EXT_PROC_SERVICE))
         methods = {PROCESS: (pb.ProcessingRequest.FromString, processor.serve_stream), **health.methods()}
         server = http2.Server(methods, listener.limits, on_defence=metrics.defence)
@@ -330,14 +334,14 @@ async def serve(
     log.info(
         "ext_proc listening on %s (transport %s%s), producer %s",
         address,
-        TRANSPORT,
+        settings.transport,
         ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "",
         producer_url,
     )
     if ready is not None:
         ready.set()
     try:
-        await _until_terminated(server, health, processor)
+        await _until_terminated(server, health, processor, settings.drain_timeout)
     finally:
         if watch is not None:
             watch.cancel()
@@ -345,19 +349,13 @@ async def serve(
         await producer.close()
 
 
-# The ext_proc server's transport (``derender serve --transport``): "http2", the filter's own
-# HTTP/2 on the event loop's thread (``extproc.http2``), or "grpcio", grpc.aio.
-TRANSPORT = "http2"
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
-# Seconds the streams in flight get to finish after SIGTERM (``derender serve --drain-timeout``).
-DRAIN_TIMEOUT = 30.0
 
-
-async def _until_terminated(server: grpc.aio.Server, health, processor: ExternalProcessor) -> None:
+async def _until_terminated(server: grpc.aio.Server, health, processor: ExternalProcessor, drain: float) -> None:
     """Serve until the server ends; on SIGTERM, drain: refuse new streams, let open ones finish.
 
-    The end of ``DRAIN_TIMEOUT`` cuts whatever is still open. More SIGTERMs change nothing: a
+    The end of ``drain`` seconds (``derender serve --drain-timeout``) cuts whatever is still open. More SIGTERMs change nothing: a
     worker gets one from its supervisor and often one more from whoever signalled the process
     group (systemd, a shell). SIGINT (Ctrl-C) stops at once.
     """
@@ -379,8 +377,8 @@ async def _until_terminated(server: grpc.aio.Server, health, processor: External
     told.cancel()
     if not terminated.is_set():
         return
-    log.info("SIGTERM: draining %d open streams (up to %g s); new streams are refused", processor.active, DRAIN_TIMEOUT)
+    log.info("SIGTERM: draining %d open streams (up to %g s); new streams are refused", processor.active, drain)
     await health.enter_graceful_shutdown()  # NOT_SERVING to health checks
     started = time.monotonic()
-    await server.stop(grace=DRAIN_TIMEOUT)
+    await server.stop(grace=drain)
     log.info("drained in %.1f s", time.monotonic() - started)

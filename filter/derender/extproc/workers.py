@@ -36,13 +36,15 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def filter_server(model: Any, producer: str, host: str, port: int, routing: Any = None, listener: Any = None) -> Serve:
+def filter_server(
+    model: Any, producer: str, host: str, port: int, routing: Any = None, listener: Any = None, settings: Any = None
+) -> Serve:
     """The ext_proc filter for ``model`` as a ``Serve`` (``routing``: a ``RoutingSpec``; ``listener``: the
-    port's bounds and TLS, a ``listen.Listener``)."""
+    port's bounds and TLS, a ``listen.Listener``; ``settings``: the process's ``Settings``)."""
     from .server import serve
 
     return lambda reuse_port: serve(
-        model, producer, host, port, reuse_port=reuse_port, routing=routing, listener=listener
+        model, producer, host, port, reuse_port=reuse_port, routing=routing, listener=listener, settings=settings
     )
 
 

@@ -11,7 +11,8 @@ refused request never reaches a producer. The 401 body is an OpenAI error
 object carrying vLLM's message, ``Unauthorized`` (vLLM itself sends the bare
 ``{"error": "Unauthorized"}``), in Anthropic's shape on the Messages endpoints.
 
-``configure`` runs once in ``derender serve`` before the workers fork.
+``derender serve`` resolves the keys once (``Settings.api_keys``); each worker's ext_proc processor holds
+an ``ApiKeys`` of them.
 """
 
 from __future__ import annotations
@@ -23,40 +24,45 @@ from ..translate.errors import HTTPError
 
 ENV = "DERENDER_API_KEYS"
 
-_checker: Any = None  # vLLM's AuthenticationMiddleware holding the key digests, or None
-
 
 def keys_from_env() -> list[str]:
     return [k.strip() for k in os.environ.get(ENV, "").split(",") if k.strip()]
 
 
-def configure(keys: list[str] | None) -> int:
-    """Require one of ``keys`` (``None``: the environment's); returns how many are in force."""
-    global _checker
-    keys = [k for k in (keys or keys_from_env()) if k]
-    if not keys:
-        _checker = None
-        return 0
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-
-    _checker = AuthenticationMiddleware(app=None, tokens=keys)  # type: ignore[arg-type]  # its check alone, no app
-    return len(keys)
+def resolve(flags: list[str] | None) -> tuple[str, ...]:
+    """The keys in force: the flags', else the environment's."""
+    return tuple(k for k in (flags or keys_from_env()) if k)
 
 
-def check(headers: dict[str, str]) -> HTTPError | None:
-    """The 401 for a request without a valid key, or None."""
-    if _checker is None or headers.get(":method") == "OPTIONS":
-        return None
-    from starlette.datastructures import Headers
-    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+class ApiKeys:
+    """The keys a client must present (none: every request passes)."""
 
-    path = headers.get(":path", "/")
-    if not path.startswith(GUARDED_PREFIX):
-        return None
-    if _checker.verify_token(Headers(headers={k: v for k, v in headers.items() if not k.startswith(":")})):
-        return None
-    # Anthropic's clients send the key as x-api-key: the same keys, checked the same way.
-    key = headers.get("x-api-key")
-    if key and _checker.verify_token(Headers(headers={"authorization": f"Bearer {key}"})):
-        return None
-    return HTTPError(401, "Unauthorized")  # the server shapes it as the path's endpoint does
+    def __init__(self, keys: tuple[str, ...] | list[str] = ()) -> None:
+        self.keys = tuple(k for k in keys if k)
+        self._checker: Any = None  # vLLM's AuthenticationMiddleware holding the key digests
+        if self.keys:
+            from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+            self._checker = AuthenticationMiddleware(app=None, tokens=list(self.keys))  # type: ignore[arg-type]  # its check alone
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def check(self, headers: dict[str, str]) -> HTTPError | None:
+        """The 401 for a request without a valid key, or None."""
+        checker = self._checker
+        if checker is None or headers.get(":method") == "OPTIONS":
+            return None
+        from starlette.datastructures import Headers
+        from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+        path = headers.get(":path", "/")
+        if not path.startswith(GUARDED_PREFIX):
+            return None
+        if checker.verify_token(Headers(headers={k: v for k, v in headers.items() if not k.startswith(":")})):
+            return None
+        # Anthropic's clients send the key as x-api-key: the same keys, checked the same way.
+        key = headers.get("x-api-key")
+        if key and checker.verify_token(Headers(headers={"authorization": f"Bearer {key}"})):
+            return None
+        return HTTPError(401, "Unauthorized")  # the server shapes it as the path's endpoint does

@@ -24,8 +24,9 @@ class ClusterProducers:
     has started (``UPSTREAM_HEADER``); before that, or if that one cannot be reached, an
     abort goes to all of them (vLLM ignores unknown ids)."""
 
-    def __init__(self, urls: list[str] | tuple[str, ...]) -> None:
-        self.producers = [Producer(url) for url in urls]
+    def __init__(self, urls: list[str] | tuple[str, ...], stall_timeout: float = 240.0) -> None:
+        self.producers = [Producer(url, stall_timeout) for url in urls]
+        self.stall_timeout = stall_timeout
 
     def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
         self.producers[0].spawn(self.abort(request_id, why, upstream))
@@ -38,5 +39,5 @@ class ClusterProducers:
         return await abort_replica_first(self.producers[0], self.producers, request_id, why, upstream)
 
 
-def producers(urls: list[str] | tuple[str, ...]) -> Producer | ClusterProducers:
-    return Producer(urls[0]) if len(urls) == 1 else ClusterProducers(urls)
+def producers(urls: list[str] | tuple[str, ...], stall_timeout: float = 240.0) -> Producer | ClusterProducers:
+    return Producer(urls[0], stall_timeout) if len(urls) == 1 else ClusterProducers(urls, stall_timeout)

@@ -61,8 +61,10 @@ async def abort_replica_first(
 class Producer:
     """One producer base URL (``http://host:port``)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, stall_timeout: float = 240.0) -> None:
         self.url = url.rstrip("/")
+        # Seconds a streaming request to it may stay silent before it is aborted (0: never).
+        self.stall_timeout = stall_timeout
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task] = set()
 

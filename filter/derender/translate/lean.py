@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any
 
-from . import streampath, vllm_seams
+from . import vllm_seams
 from .model import Model
 from .render import Rendered
 from .stream import ChatStream
@@ -44,7 +44,7 @@ def eligible(model: Model, rendered: Rendered, *, continuous_usage: bool = False
     """The request asks for nothing per token that the lean path leaves to vLLM's generator;
     ``continuous_usage``: a stream whose middle chunks' usage nobody reads (Messages: vLLM's
     converter reads the usage of the first and the last chunk only) may ask for it."""
-    if not streampath.ENABLED:
+    if not model.lean:
         return False
     from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 

@@ -11,14 +11,16 @@ Everything here is read-only once built and shared by all streams of a process.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import longprompt, media, vision, vllm_seams
+from ..settings import Settings
+from . import longprompt, media, parser_tables, vision, vllm_seams
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -48,6 +50,9 @@ class ModelSpec:
     allowed_media_networks: tuple[str, ...] = ()
     mm_processor_cache_gb: float = 0.5  # vLLM's default is 4 GiB per process: too much for every gateway worker
     max_producer_body_bytes: int = 16 << 20  # a larger rendered request is a 413 (Envoy's buffer, BODY_LIMIT_BYTES)
+    settings: Settings = field(
+        default_factory=Settings
+    )  # what the process serves it with (not vllm serve's): stream path, store
 
     def vllm_argv(self) -> list[str]:
         argv = ["--model", self.model, "--mm-processor-cache-gb", str(self.mm_processor_cache_gb)]
@@ -135,10 +140,11 @@ class Model:
         from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-        from . import streampath
-
-        streampath.memoize_parser_tables()
         self.spec = spec
+        self.settings = spec.settings
+        self.lean = spec.settings.stream_path == "lean"  # the lean stream path (``lean``, ``parser_tables``)
+        if self.lean:
+            parser_tables.memoize()
         if (Path(spec.model) / "o200k_base.tiktoken").is_file():
             # gpt-oss: openai-harmony reads its encoding from here, never from a hub.
             os.environ.setdefault("TIKTOKEN_ENCODINGS_BASE", str(Path(spec.model).resolve()))
@@ -198,6 +204,16 @@ class Model:
             log.warning("%s; the filter falls back to vLLM's own path where it can", problem)
         self._warm_up()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
+
+    def with_settings(self, settings: Settings) -> Model:
+        """This model served with other settings (another stream path, say), sharing its vLLM objects."""
+        other = copy.copy(self)
+        other.spec = replace(self.spec, settings=settings)
+        other.settings = settings
+        other.lean = settings.stream_path == "lean"
+        if other.lean:
+            parser_tables.memoize()
+        return other
 
     def vllm_serving(self, cls: type, engine: Any = None) -> Any:
         """A vLLM serving object (``OpenAIServingChat``, ``OpenAIServingCompletion``,

@@ -15,7 +15,7 @@ import json
 from collections import deque
 from typing import Any
 
-from . import streampath, vllm_seams
+from . import vllm_seams
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
@@ -46,7 +46,7 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
         stream=stream,
         vocab_size=model.model_config.get_vocab_size(),
         cached_tokens=model.prompt_tokens_details,
-        direct=streampath.ENABLED,
+        direct=model.lean,
     )
 
 

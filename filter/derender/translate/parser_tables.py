@@ -1,26 +1,20 @@
-"""Which path a chat stream takes (``derender serve --stream-path``), and the vLLM patch the lean path
-brings (its parser tables built once).
-
-``lean`` (the default): ``lean.LeanChatStream`` does the events between the first and the last itself
-with vLLM's parsers; ``vllm``: vLLM's chat stream generator runs for every event. Below ``model``,
-``stream`` and ``lean``, which all ask it.
+"""The lean path's vLLM patch: the streaming parser engine's drop tables built once per (config,
+tokenizer) and shared. Installed by the first ``Model`` on the lean stream path; a process that serves
+only ``--stream-path vllm`` never patches vLLM.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-PATHS = ("lean", "vllm")
-ENABLED = True  # derender serve --stream-path lean (the default) | vllm
 
-
-def memoize_parser_tables() -> None:
+def memoize() -> None:
     """vLLM's streaming parser engine, built for every parser object (three per chat request: the
     render's, the filter's early one and the generator's), rebuilds from the tokenizer's special
     tokens the same drop table each time: a regex per special token (``regex.escape`` ~0.1 ms
     each) and a ``LexerShape``, which vLLM documents as immutable and shares. Built once per
     (engine config, tokenizer) here -- vLLM caches its configs, so they are the same objects --
-    and shared, as vLLM shares the config's own shape; ``--stream-path vllm`` builds them anew.
+    and shared, as vLLM shares the config's own shape.
     ``tests/test_lean.py`` checks the shared table equals a fresh one for every shipped parser."""
     from . import vllm_seams
 
@@ -30,8 +24,6 @@ def memoize_parser_tables() -> None:
     tables: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 
     def drop_info(config: Any, tokenizer: Any) -> Any:
-        if not ENABLED:
-            return build(config, tokenizer)
         key = (id(config), id(tokenizer))
         hit = tables.get(key)
         if hit is None or hit[0] is not config or hit[1] is not tokenizer:
