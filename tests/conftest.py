@@ -15,6 +15,33 @@ from derender.ops import assets  # noqa: E402
 from stack import Stack  # noqa: E402
 
 
+# -- file order --------------------------------------------------------------------------------------
+# ``--shuffle-files SEED`` (CI: a fresh seed each run, printed in the header) runs the test files in an
+# order drawn from SEED, each file's tests in their own order: a file that passes only after another one
+# fails some run, and the printed seed replays that order (``make test TEST_ARGS="--shuffle-files SEED"``).
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-files", metavar="SEED", default=None, help="run the test files in an order drawn from SEED")
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle-files")
+    return f"test files shuffled with seed {seed} (--shuffle-files {seed})" if seed is not None else None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seed = config.getoption("--shuffle-files")
+    if seed is None:
+        return
+    import random
+
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    order = sorted(files)
+    random.Random(seed).shuffle(order)
+    items[:] = [item for name in order for item in files[name]]
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir() -> str:
     return str(assets.fetch("qwen3"))
