@@ -18,6 +18,7 @@ import ast
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -178,7 +179,7 @@ OWN_PRIVATE = {
     ("cli.py", "atexit._run_exitfuncs"),
     ("cli.py", "os._exit"),
     ("extproc/workers.py", "os._exit"),
-    ("endpoints/responses_store.py", "self.responses._call"),  # its own RedisMapping
+    ("endpoints/responses/store.py", "self.responses._call"),  # its own RedisMapping
 }
 
 
@@ -263,7 +264,7 @@ class EchoExchange:
 
 def test_an_endpoint_is_one_module_and_one_registry_line(qwen3_dir, monkeypatch):
     from derender.endpoints import registry
-    from derender.endpoints.router import Router
+    from derender.endpoints.router import Backend, Router
     from derender.exchange import Endpoint, Reply
     from derender.routing.producer import Producer
     from derender.translate.model import Model, ModelSpec
@@ -278,9 +279,28 @@ def test_an_endpoint_is_one_module_and_one_registry_line(qwen3_dir, monkeypatch)
         return await routed.request_body(b'{"say": "hi"}')
 
     assert asyncio.run(ask("/v1/echo")).status == 404  # not registered: not served
-    monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", Endpoint("/v1/echo", EchoExchange))  # the one line
+    assert asyncio.run(ask("/v1/echo/later")).status == 404
+
+    async def under(model, method: str, rest: str) -> Reply:  # the paths below it
+        return Reply(200, json.dumps({"under": rest, "method": method, "model": model.name}).encode())
+
+    def in_tier(tier, producer, x_request_id):  # what render-tier mode makes of it
+        exchange = EchoExchange(SimpleNamespace(name=f"tier at {tier.url}"), producer, x_request_id)
+        return exchange
+
+    echo = Endpoint("/v1/echo", EchoExchange, tier=in_tier, under=under)
+    monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", echo)  # the one line
     reply = asyncio.run(ask("/v1/echo"))
     assert (reply.status, json.loads(reply.body)) == (200, {"said": "hi", "model": "qwen3"})
+    reply = asyncio.run(ask("/v1/echo/later"))
+    assert json.loads(reply.body) == {"under": "later", "method": "POST", "model": "qwen3"}
+    # The same registration in render-tier mode: its tier exchange, no model loaded.
+    router = Router(Backend(["qwen3"], Producer("http://127.0.0.1:9"), render_url="http://127.0.0.1:9/render"))
+    reply = asyncio.run(ask("/v1/echo"))
+    assert (reply.status, json.loads(reply.body)) == (200, {"said": "hi", "model": "tier at http://127.0.0.1:9/render"})
+    monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", Endpoint("/v1/echo", EchoExchange, not_in_tier="not here"))
+    reply = asyncio.run(ask("/v1/echo"))
+    assert reply.status == 501 and json.loads(reply.body)["error"]["message"] == "not here"
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])

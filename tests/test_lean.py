@@ -471,7 +471,7 @@ def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tu
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gpt-oss"])
 def test_lean_responses_path_sends_vllms_bytes(name):
-    """Responses on the lean path (``responses_lean.LoopBody``: vLLM's loop body per middle output,
+    """Responses on the lean path (``responses.lean.LoopBody``: vLLM's loop body per middle output,
     not its generator chain) against vLLM's generators for every output, over the drawn streams
     (gpt-oss's Harmony path is another generator, not taken): identical bytes, logprobs asked or
     not, and the lean path took most middle outputs itself, writing most of their delta events from

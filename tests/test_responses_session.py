@@ -1,4 +1,4 @@
-"""The Responses session's hand driving of vLLM's event generator (``endpoints/responses_session``).
+"""The Responses session's hand driving of vLLM's event generator (``endpoints/responses/session``).
 
 vLLM's streaming Responses generator is driven by hand while it waits only for the producer's
 outputs; when it awaits anything else (a store, a lock held by another request, a timer) a task
@@ -15,7 +15,7 @@ import types
 from typing import Any
 
 import pytest
-from derender.endpoints.responses_session import Session, _error_event
+from derender.endpoints.responses.session import Session, _error_event
 from pydantic import BaseModel
 
 

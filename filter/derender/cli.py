@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)
     if process.responses_store:
-        from .endpoints import responses_store as store
+        from .endpoints.responses import store
 
         try:
             store.of(process)  # a URL Redis cannot take: refused now, not on the first request

@@ -8,7 +8,7 @@ The bottom of the package: everything else may import it; it imports only ``tran
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,8 +118,13 @@ class Endpoint:
     # (Model, producer, x-request-id) -> the Exchange of one request, for a model served here
     exchange: Callable[[Any, Any, str | None], Exchange]
     anthropic: bool = False  # its clients read errors in Anthropic's shape
-    # Why render-tier mode (``--render-url``) cannot serve it, unless ``endpoints.rendertier`` does.
+    # Render-tier mode (``--render-url``): (render tier, producer, x-request-id) -> the exchange of one
+    # request (``endpoints.rendertier``); None: a 501 saying ``not_in_tier``.
+    tier: Callable[[Any, Any, str | None], Exchange] | None = None
     not_in_tier: str = ""
+    # The paths below it (``path/...``, e.g. a stored response): (the default backend's model, None in
+    # render-tier mode; the method; the rest of the path) -> the answer, or HTTPError.
+    under: Callable[[Any, str, str], Awaitable[Reply]] | None = None
 
     def error(self, exc: HTTPError) -> HTTPError:
         """``exc`` in the shape this endpoint's clients read."""

@@ -25,6 +25,7 @@ from ..translate.model import Model
 from ..translate.render import Rendered, render_chat
 from ..translate.sse import SSEDecoder, SSEError
 from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
+from . import rendertier
 from .lifecycle import ProducerExchange, ms, producer_failure
 
 log = logging.getLogger("derender.chat")
@@ -349,4 +350,4 @@ def verify_params(model: Model, rendered: object) -> None:
         copy(params).verify(model.model_config, None, None, model.tokenizer)
 
 
-ENDPOINT = Endpoint("/v1/chat/completions", ChatExchange)
+ENDPOINT = Endpoint("/v1/chat/completions", ChatExchange, tier=rendertier.chat_exchange)

@@ -24,16 +24,13 @@ from typing import Any
 
 from ..exchange import Endpoint
 from ..translate import vllm_seams
-from ..translate.errors import HTTPError, dumps, from_exception, parse_body
+from ..translate.errors import ONE_PROMPT, HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
 from ..translate.render import Rendered, producer_body, with_tensors
 from ..translate.stream import ChatStream
+from . import rendertier
 from .chat import ChatExchange
 
-ONE_PROMPT = (
-    "This endpoint takes one prompt per request (got {n}): each request becomes one producer "
-    "request, so send each prompt in its own request."
-)
 NO_PROMPT_LOGPROBS = (
     "Prompt logprobs are not available here: the producer's token stream does not carry them. "
     "Remove prompt_logprobs (and logprobs when echo is set)."
@@ -145,4 +142,4 @@ class CompletionExchange(ChatExchange):
     operation = "text_completion"
 
 
-ENDPOINT = Endpoint("/v1/completions", CompletionExchange)
+ENDPOINT = Endpoint("/v1/completions", CompletionExchange, tier=rendertier.completion_exchange)

@@ -2,9 +2,10 @@
 
 An endpoint is one module of this folder that defines its exchange (the ``exchange.Exchange``
 that serves one request) and its ``exchange.Endpoint``: the path, how to build the exchange and
-the error shape its clients read. Adding one is that module plus its line below; the router
+the error shape its clients read, what render-tier mode makes of it (``tier``) and the paths below
+it (``under``). Adding one is that module (or package) plus its line below; the router
 (``router.Router``) serves every path listed here, renders it with the body's model, and sends
-it on to that model's producers. Render-tier mode serves what ``rendertier.SERVED`` lists.
+it on to that model's producers.
 """
 
 from __future__ import annotations

@@ -43,9 +43,8 @@ import orjson
 from ..exchange import Answered, Exchange, Reply, ResponseStart, Rewrite
 from ..routing.producer import GENERATE_PATH, Producer
 from ..translate import vllm_seams
-from ..translate.errors import INCOMPLETE, HTTPError, dumps, error_body, error_event
+from ..translate.errors import INCOMPLETE, ONE_PROMPT, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
-from .completions import ONE_PROMPT
 from .lifecycle import ProducerExchange, producer_error
 from .tier_client import CHAT, COMPLETION, RenderTier, TierPaths, chat_echo, tier_error
 
@@ -372,11 +371,16 @@ class TierPassThrough(Answered):
         return Reply(200, data)
 
 
-# What render-tier mode serves, by path: (tier, producer, x-request-id) -> the exchange. Every
-# other endpoint of the registry answers its ``not_in_tier`` (501).
-SERVED: dict[str, Callable[[RenderTier, Any, str | None], Exchange]] = {
-    "/v1/chat/completions": lambda tier, producer, x_request_id: TierExchange(tier, CHAT, producer, x_request_id),
-    "/v1/completions": lambda tier, producer, x_request_id: TierExchange(tier, COMPLETION, producer, x_request_id),
-    "/tokenize": lambda tier, producer, x_request_id: TierPassThrough(tier, "/tokenize", x_request_id),
-    "/detokenize": lambda tier, producer, x_request_id: TierPassThrough(tier, "/detokenize", x_request_id),
-}
+# What render-tier mode makes of a request, for the endpoints that name one as their ``Endpoint.tier``:
+# (tier, producer, x-request-id) -> the exchange. The others answer their ``not_in_tier`` (501).
+def chat_exchange(tier: RenderTier, producer: Any, x_request_id: str | None) -> Exchange:
+    return TierExchange(tier, CHAT, producer, x_request_id)
+
+
+def completion_exchange(tier: RenderTier, producer: Any, x_request_id: str | None) -> Exchange:
+    return TierExchange(tier, COMPLETION, producer, x_request_id)
+
+
+def pass_through(path: str) -> Callable[[RenderTier, Any, str | None], Exchange]:
+    """The tier's own answer to ``path`` (``/tokenize``, ``/detokenize``)."""
+    return lambda tier, producer, x_request_id: TierPassThrough(tier, path, x_request_id)

@@ -29,7 +29,6 @@ from ..translate.model import Model
 from . import rendertier
 from .completions import serving_completion
 from .registry import ENDPOINTS
-from .responses import RESPONSES_PATH, stored_response
 
 MODELS_PATH = "/v1/models"
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's PRIORITY_HEADER, which its coupled server reads over the body's
@@ -90,11 +89,10 @@ class Backend:
     def exchange(self, endpoint: Endpoint, x_request_id: str | None) -> Exchange:
         """The exchange object for one request to ``endpoint``."""
         if self.tier is not None:
-            served = rendertier.SERVED.get(endpoint.path)
-            if served is None:
+            if endpoint.tier is None:
                 message = endpoint.not_in_tier or f"{endpoint.path} is not served in render-tier mode"
                 return NotServed(endpoint.error(HTTPError(501, message, "NotImplementedError")))
-            return served(self.tier, self.producer, x_request_id)
+            return endpoint.tier(self.tier, self.producer, x_request_id)
         assert self.model is not None
         return endpoint.exchange(self.model, self.producer, x_request_id)
 
@@ -254,8 +252,9 @@ class Router:
                 return Reply(200, dumps({"object": "list", "data": await self._cards()}))
             if path.startswith(MODELS_PATH + "/") and method == "GET":
                 return await self._card(unquote(path[len(MODELS_PATH) + 1 :]))
-            if path.startswith(RESPONSES_PATH + "/"):
-                return await stored_response(self.backends[0].model, method, unquote(path[len(RESPONSES_PATH) + 1 :]))
+            for endpoint in ENDPOINTS.values():
+                if endpoint.under is not None and path.startswith(endpoint.path + "/"):
+                    return await endpoint.under(self.backends[0].model, method, unquote(path[len(endpoint.path) + 1 :]))
         except HTTPError as exc:
             return Reply.error(exc)
         return Reply.error(HTTPError(404, f"Route {method} {path} is not served here", "NotFoundError"))

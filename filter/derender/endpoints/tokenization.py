@@ -15,6 +15,7 @@ from pydantic import TypeAdapter
 from ..exchange import Answered, Endpoint, Reply
 from ..translate.errors import HTTPError, dumps, from_exception, parse_body
 from ..translate.model import Model
+from . import rendertier
 
 
 @functools.cache
@@ -49,8 +50,12 @@ class TokenizationExchange(Answered):
 
 
 TOKENIZE = Endpoint(
-    "/tokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/tokenize", x_request_id)
+    "/tokenize",
+    lambda model, producer, x_request_id: TokenizationExchange(model, "/tokenize", x_request_id),
+    tier=rendertier.pass_through("/tokenize"),
 )
 DETOKENIZE = Endpoint(
-    "/detokenize", lambda model, producer, x_request_id: TokenizationExchange(model, "/detokenize", x_request_id)
+    "/detokenize",
+    lambda model, producer, x_request_id: TokenizationExchange(model, "/detokenize", x_request_id),
+    tier=rendertier.pass_through("/detokenize"),
 )

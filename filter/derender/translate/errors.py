@@ -14,6 +14,11 @@ T = TypeVar("T")
 
 # A stream that ended before every choice finished (the client gets it as a 502).
 INCOMPLETE = "the producer's stream ended before the generation finished"
+# /v1/completions with several prompts, here and in render-tier mode.
+ONE_PROMPT = (
+    "This endpoint takes one prompt per request (got {n}): each request becomes one producer "
+    "request, so send each prompt in its own request."
+)
 
 
 class HTTPError(Exception):

@@ -204,7 +204,7 @@ def merge_inline_system(serving_messages: Any) -> Any:
     return serving_messages._merge_inline_system
 
 
-# -- the Responses loop (endpoints/responses_lean.py, responses_session.py) -----------------------------
+# -- the Responses loop (endpoints/responses/lean.py, session.py) ---------------------------------------
 RESPONSES = "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses"
 LOOP_LOCALS = ("context", "request", "processor", "_get_logprobs", "_increment_sequence_number_and_return")
 
@@ -239,7 +239,7 @@ def responses_loop_locals(engine_caller: Any) -> dict[str, Any] | None:
 
 
 def engine_caller() -> Any:
-    """The frame that called the engine's ``generate``, for ``responses_session.Session.generate``
+    """The frame that called the engine's ``generate``, for ``endpoints.responses.session.Session.generate``
     (which the stand-in engine's ``generate`` calls): three frames up from here."""
     return sys._getframe(3)
 

@@ -32,17 +32,17 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from ..exchange import Endpoint, Reply, Rewrite
-from ..ops import logs
-from ..translate import vllm_seams
-from ..translate.errors import HTTPError, dumps, from_exception, parse_body
-from ..translate.lean import one_choice_event
-from ..translate.model import Model
-from ..translate.render import Rendered, media_of, producer_body
-from ..translate.stream import ChatStream, choice_outputs
-from . import responses_store as store
-from .chat import ChatExchange
-from .responses_session import _STAND_IN_SESSIONS, Session, _ProducerEngine
+from ...exchange import Endpoint, Reply, Rewrite
+from ...ops import logs
+from ...translate import vllm_seams
+from ...translate.errors import HTTPError, dumps, from_exception, parse_body
+from ...translate.lean import one_choice_event
+from ...translate.model import Model
+from ...translate.render import Rendered, media_of, producer_body
+from ...translate.stream import ChatStream, choice_outputs
+from ..chat import ChatExchange
+from . import store
+from .session import _STAND_IN_SESSIONS, Session, _ProducerEngine
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -341,4 +341,4 @@ NOT_IN_TIER = (
     "its derender tier turns token ids into chat and completion streams only. Serve the model with "
     "--model (the filter renders and derenders Responses itself), or use /v1/chat/completions."
 )
-ENDPOINT = Endpoint(RESPONSES_PATH, ResponsesExchange, not_in_tier=NOT_IN_TIER)
+ENDPOINT = Endpoint(RESPONSES_PATH, ResponsesExchange, not_in_tier=NOT_IN_TIER, under=stored_response)

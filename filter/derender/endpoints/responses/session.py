@@ -15,11 +15,11 @@ import logging
 from collections import deque
 from typing import Any
 
-from ..translate import vllm_seams
-from ..translate.errors import HTTPError, from_exception
-from ..translate.model import _EngineStandIn
-from ..translate.stream import WAIT, advance, close_chain
-from .responses_lean import Frame, LoopBody, event_frame
+from ...translate import vllm_seams
+from ...translate.errors import HTTPError, from_exception
+from ...translate.model import _EngineStandIn
+from ...translate.stream import WAIT, advance, close_chain
+from .lean import Frame, LoopBody, event_frame
 
 log = logging.getLogger("derender.responses")
 
@@ -34,7 +34,7 @@ class Session:
 
     def __init__(self, request: Any, lean: bool = True) -> None:
         self.request = request
-        self.lean = lean  # the lean path (``responses_lean``) takes the middle outputs of a stream
+        self.lean = lean  # the lean path (``lean``) takes the middle outputs of a stream
         self.frames: list[bytes] = []
         self.result: Any = None  # create_responses' return value (a response, an error, or a stream)
         self.error: BaseException | None = None

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..settings import Settings
+from ...settings import Settings
 
 log = logging.getLogger("derender.store")
 

@@ -1,5 +1,5 @@
 """The lean path of a Responses stream (``--stream-path lean``): vLLM's per-output loop body, run
-by the session (``responses_session``) instead of resuming vLLM's generators, and the delta events it
+by the session (``session``) instead of resuming vLLM's generators, and the delta events it
 writes from a template of vLLM's own."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pydantic_core
 
-from ..translate import vllm_seams
+from ...translate import vllm_seams
 
 
 class LoopBody:
