@@ -9,7 +9,7 @@ PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean real-vllm redis-server
+.PHONY: setup up test check lint bench clean real-vllm redis-server
 
 setup: $(STAMP)
 
@@ -34,6 +34,14 @@ up: $(STAMP)
 
 test: $(STAMP) real-vllm redis-server lint
 	$(BIN)/python -m pytest $(TEST_ARGS)
+
+# The inner loop while working (about 2 minutes on 2 cores once set up): make lint, then the unit and
+# in-process tests (no Envoy, no simulator process). make test stays the whole suite.
+CHECK_TESTS := tests/test_layout.py tests/test_vllm_seams.py tests/test_assets.py tests/test_prefix_key.py \
+	tests/test_detokenizer_priming.py tests/test_responses_session.py tests/test_responses.py \
+	tests/test_stream_close.py tests/test_warmup.py tests/test_http2_limits.py tests/test_deploy.py
+check: lint
+	$(BIN)/python -m pytest -q $(CHECK_TESTS) $(TEST_ARGS)
 
 # ruff's lint rules and formatter, and mypy, over filter/ (configured in pyproject.toml); part of make test.
 lint: $(STAMP)
