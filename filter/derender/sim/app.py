@@ -5,40 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from typing import Any
 
 from aiohttp import web
 
 from .simulator import Simulator
 
 
-def build_app(
-    model_dir: str,
-    mode: str = "echo",
-    script: str | None = None,
-    tokens_per_event: int | str = 1,
-    delay: float = 0.0,
-    finish_only_tail: bool = False,
-    error_after: int | None = None,
-    http_error: int | None = None,
-    prefix_cache_blocks: int = 0,
-    prefill_us_per_token: float = 0.0,
-    prompt_tokens_details: bool = False,
-    lockstep: bool = False,
-) -> web.Application:
-    return Simulator(
-        model_dir,
-        mode,
-        script,
-        tokens_per_event,
-        delay,
-        finish_only_tail,
-        error_after,
-        http_error,
-        prefix_cache_blocks,
-        prefill_us_per_token,
-        prompt_tokens_details,
-        lockstep,
-    ).app()
+def build_app(model_dir: str, **options: Any) -> web.Application:
+    """The simulator's aiohttp app; ``options`` as ``Simulator`` takes them (mode, script, delay, ...)."""
+    return Simulator(model_dir, **options).app()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,17 +69,17 @@ def main(args: argparse.Namespace) -> int:
     tpe = str(args.tokens_per_event)
     app = build_app(
         args.model,
-        args.mode,
-        args.script,
-        int(tpe) if tpe.isdigit() else tpe,
-        args.delay,
-        args.finish_only_tail,
-        args.error_after,
-        args.http_error,
-        args.prefix_cache_blocks,
-        args.prefill_us_per_token,
-        args.enable_prompt_tokens_details,
-        args.lockstep,
+        mode=args.mode,
+        script=args.script,
+        tokens_per_event=int(tpe) if tpe.isdigit() else tpe,
+        delay=args.delay,
+        finish_only_tail=args.finish_only_tail,
+        error_after=args.error_after,
+        http_error=args.http_error,
+        prefix_cache_blocks=args.prefix_cache_blocks,
+        prefill_us_per_token=args.prefill_us_per_token,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        lockstep=args.lockstep,
     )
     try:
         import uvloop
