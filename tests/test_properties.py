@@ -178,11 +178,20 @@ def producer_stream(choices: list[list[int]], sizes: list[int], finish_only_tail
     return b"".join(b"data: " + f + b"\n\n" for f in frames)
 
 
+class NoAborts:
+    """A producer client that fails the test if anything asks it to abort."""
+
+    stall_timeout = 240.0
+
+    def abort_soon(self, request_id: str, why: str, upstream: str | None = None) -> None:
+        raise AssertionError(f"abort asked for {request_id}: {why}")
+
+
 def through_filter(model, rendered, pieces: list[bytes]) -> bytes:
     """The filter's response path for one stream, fed these body chunks as Envoy would."""
     from derender.endpoints.chat import ChatExchange
 
-    exchange = ChatExchange(model, None, None)  # no producer: nothing may need aborting here
+    exchange = ChatExchange(model, NoAborts(), None)  # nothing may need aborting here
     exchange.rendered = rendered
     assert not exchange.response_headers(200).buffer
 
