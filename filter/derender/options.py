@@ -131,6 +131,8 @@ def settings(args: argparse.Namespace) -> Settings:
         api_keys=auth.resolve(getattr(args, "api_key", None)),
         responses_store=getattr(args, "responses_store", None),
         responses_store_ttl=getattr(args, "responses_store_ttl", defaults.responses_store_ttl),
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
+        trace_sample_ratio=getattr(args, "trace_sample_ratio", defaults.trace_sample_ratio),
     )
 
 
@@ -158,6 +160,13 @@ def model_spec(args: argparse.Namespace, process: Settings | None = None):
         max_producer_body_bytes=args.max_producer_body_bytes,
         settings=process or settings(args),
     )
+
+
+def _sample_ratio() -> float:
+    try:
+        return float(os.environ.get("OTEL_TRACES_SAMPLER_ARG") or 1.0)
+    except ValueError:
+        return 1.0
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -256,6 +265,22 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="the ext_proc server: 'http2' (default) speaks gRPC's HTTP/2 on each worker's event loop thread; "
         "'grpcio' runs grpc.aio, which hands every message between three threads (default: $DERENDER_TRANSPORT, "
         "else http2)",
+    )
+    serve.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+        metavar="URL",
+        help="export OpenTelemetry traces (a few spans per request) to this OTLP collector, over grpc or "
+        "http/protobuf as $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+    )
+    serve.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        default=_sample_ratio(),
+        metavar="RATIO",
+        help="the share of new traces kept, 0 to 1; a sampled parent (Envoy's, a client's traceparent) is "
+        "always followed (default: $OTEL_TRACES_SAMPLER_ARG, else 1)",
     )
     listen.add_arguments(serve)
     serve.add_argument(

@@ -34,9 +34,15 @@ class Settings:
     # Stored Responses in this Redis (redis://HOST:PORT[/DB]), None: off as in vLLM; and for how long.
     responses_store: str | None = None
     responses_store_ttl: int = 30 * DAY
+    # OpenTelemetry traces: the OTLP collector (None: off), and the share of new traces kept (a client's
+    # or Envoy's sampled parent is followed either way).
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.stream_path not in STREAM_PATHS:
             raise ValueError(f"stream_path must be one of {', '.join(STREAM_PATHS)}, not {self.stream_path!r}")
         if self.transport not in ("http2", "grpcio"):
             raise ValueError(f"transport must be http2 or grpcio, not {self.transport!r}")
+        if not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be between 0 and 1, not {self.trace_sample_ratio!r}")

@@ -279,7 +279,7 @@ class ChatExchange(ProducerExchange):
             error = self._answer_failed(exc)
             self.client_status = error.status
             return self.answer_error(error), error.status
-        self._completion_tokens = _token_count(body)
+        self._completion_tokens, self.finish_reasons = _token_count(body)
         try:
             self.producer_cached_tokens = cached_tokens(json.loads(body))
         except ValueError:
@@ -317,12 +317,14 @@ class ChatExchange(ProducerExchange):
         return tail
 
 
-def _token_count(body: bytes) -> int | None:
-    """Tokens in a non-streaming producer response (all choices)."""
+def _token_count(body: bytes) -> tuple[int | None, tuple[str, ...]]:
+    """Tokens in a non-streaming producer response (all choices), and the choices' finish reasons."""
     try:
-        return sum(len(c.get("token_ids") or ()) for c in json.loads(body).get("choices") or ())
+        choices = json.loads(body).get("choices") or ()
+        tokens = sum(len(c.get("token_ids") or ()) for c in choices)
+        return tokens, tuple(str(c["finish_reason"]) for c in choices if c.get("finish_reason"))
     except (ValueError, AttributeError, TypeError):
-        return None
+        return None, ()
 
 
 def check_size(model: Model, body: bytes) -> None:

@@ -43,6 +43,8 @@ class ProducerExchange:
     endpoint = ""  # the log line's message
     operation = ""  # gen_ai.operation.name (OpenTelemetry GenAI conventions), the metrics' label
     routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
+    trace: Any = None  # the request's ``ops.tracing.RequestTrace`` when traces are exported
+    finish_reasons: tuple[str, ...] = ()  # a buffered answer's, per choice (the engine's)
 
     def __init__(self, producer: Any, x_request_id: str | None, log: logging.Logger) -> None:
         self.producer = producer  # a routing Producer or ClusterProducers: where aborts go
@@ -154,11 +156,16 @@ class ProducerExchange:
             # (its idle timeout before the producer's headers). The coupled server aborts too.
             self._abort("no answer")
         sent = self.sent
-        record(
+        head = self.log_head()
+        trace = self.trace
+        ids = trace.ids if trace is not None else None
+        if ids is not None:
+            head["trace_id"], head["span_id"] = ids
+        fields = record(
             self.log,
             self.endpoint,
             self.operation,
-            self.log_head(),
+            head,
             self.log_tail(),
             started=self._started,
             first_token=self._first_token,
@@ -169,6 +176,8 @@ class ProducerExchange:
             prompt_tokens=self.prompt_tokens if sent else None,
             completion_tokens=stream.completion_tokens if stream is not None else self._completion_tokens,
         )
+        if trace is not None:
+            trace.end(self, fields, self._started, self._first_token)
 
 
 def asked(body: bytes) -> tuple[str | None, bool]:
@@ -201,8 +210,9 @@ def record(
     stream: bool,
     prompt_tokens: int | None,
     completion_tokens: int | None,
-) -> None:
-    """Count one finished exchange and write its one log line (``head``, the outcome, ``tail``).
+) -> dict[str, Any]:
+    """Count one finished exchange and write its one log line (``head``, the outcome, ``tail``);
+    the line's fields.
 
     ``head`` names the request (``request_id``, ``x_request_id``, ``model``, ...); ``prompt_tokens``
     None means it never reached a producer: logged, not counted.
@@ -235,6 +245,7 @@ def record(
         **tail,
     }
     logger.info(endpoint, extra={"fields": fields})
+    return fields
 
 
 def producer_request_id(x_request_id: str | None, request_id: str) -> str:

@@ -131,6 +131,7 @@ class ModelExchange:
         self.routed: Decision | None = None
         self.balancer: Balancer | None = None
         self.decision: Decision | None = None
+        self.trace: Any = None  # the request's trace (``ops.tracing``), handed to its exchange
 
     @property
     def stream(self) -> Any:
@@ -142,6 +143,8 @@ class ModelExchange:
         except HTTPError as exc:
             raise self.endpoint.error(exc) from None
         self.inner = backend.exchange(self.endpoint, self.x_request_id)
+        if self.trace is not None and hasattr(self.inner, "trace"):
+            self.inner.trace = self.trace  # that exchange ends it
         result = await self.inner.request_body(body)
         if isinstance(result, Rewrite):
             with_priority(result, self.priority)
@@ -185,6 +188,8 @@ class ModelExchange:
                 cached if cached is not None else getattr(inner, "producer_cached_tokens", None),
             )
         self.inner.close(complete)
+        if self.trace is not None and getattr(self.inner, "trace", None) is not self.trace:  # none took it
+            self.trace.end(self.inner, {"status": 0, "complete": complete}, 0.0, None)
 
 
 class Router:

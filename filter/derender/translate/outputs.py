@@ -89,6 +89,7 @@ class ChoiceOutputs:
         self.num_logprobs = params.logprobs
         self.processor = OutputProcessor(tokenizer, log_stats=False)
         self.finished = [False] * self.n
+        self.reasons: list[str | None] = [None] * self.n  # each choice's finish reason, as the engine gave it
         self.stopped_early = False  # a stop string ended a choice here, not at the producer
         self.cached: LateCount | None = LateCount() if cached_tokens else None
         self.child_ids: list[str] = []
@@ -163,6 +164,7 @@ class ChoiceOutputs:
             finish = FINISH_REASONS.get(reason)
             if finish is None:
                 raise ProducerError(f"producer sent unknown finish_reason {reason!r}")
+            self.reasons[index] = reason
         return index, list(token_ids), finish
 
     def _direct(self, finish: FinishReason | None) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from .wire import CANCELLED, OK, UNKNOWN, Status
@@ -15,6 +16,9 @@ from .wire import CANCELLED, OK, UNKNOWN, Status
 Handler = Callable[[Callable[[], Awaitable[object]], Callable[[object], Awaitable[None]]], Awaitable[None]]
 # path -> (the request type's ``FromString``, the handler)
 Methods = dict[str, tuple[Callable[[bytes], object], Handler]]
+# The W3C trace context the stream's request carried (``traceparent``, ``tracestate``), as its handler
+# sees it: set in the handler's task before the handler runs; None without a ``traceparent``.
+TRACE_CONTEXT: ContextVar[dict[str, str] | None] = ContextVar("http2_trace_context", default=None)
 
 
 def writer(connection, stream):

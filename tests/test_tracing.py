@@ -1,0 +1,294 @@
+"""OpenTelemetry traces through the real Envoy: an OTLP receiver here (opentelemetry-proto's
+TraceService over gRPC) gets the spans of Envoy's tracer and the filter's; the simulator keeps the
+``traceparent`` the producer request carried. One trace id across all three, the filter's spans the
+children of Envoy's ext_proc span, the GenAI attributes what the stream carried, the sampler
+honoured, and a receiver that is down changing nothing for clients."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import pytest
+from derender.ops.children import free_port
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
+
+from stack import Proc, start_envoy, start_filter, start_sim, wait_for
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+EXT_PROC_SPAN = "async envoy.service.ext_proc.v3.ExternalProcessor.Process egress"  # Envoy's name for it
+
+
+class Receiver(ts_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver: every span it gets, as (service, span) pairs."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+        self.port = free_port()
+        self.server: grpc.Server | None = None
+
+    def Export(self, request, context):
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                service = next(
+                    (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
+                )
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend((service, span) for span in scope.spans)
+        return ts.ExportTraceServiceResponse()
+
+    def start(self) -> Receiver:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        ts_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0)
+            self.server = None
+
+    def trace(self, trace_id: str) -> list[tuple[str, object]]:
+        with self.lock:
+            return [(s, span) for s, span in self.spans if span.trace_id.hex() == trace_id]
+
+
+def attrs(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        kind = v.WhichOneof("value")
+        out[a.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+    return out
+
+
+def envoy_tracing(receiver_port: int):
+    """Envoy's OpenTelemetry tracer, to the receiver, every request sampled."""
+
+    def edit(config: dict) -> None:
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["tracing"] = {
+            "random_sampling": {"value": 100},
+            "provider": {
+                "name": "envoy.tracers.opentelemetry",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}, "timeout": "1s"},
+                    "service_name": "envoy",
+                },
+            },
+        }
+        config["static_resources"]["clusters"].append(
+            {
+                "name": "otlp",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+                "load_assignment": {
+                    "cluster_name": "otlp",
+                    "endpoints": [
+                        {
+                            "lb_endpoints": [
+                                {
+                                    "endpoint": {
+                                        "address": {
+                                            "socket_address": {"address": "127.0.0.1", "port_value": receiver_port}
+                                        }
+                                    }
+                                }
+                            ]
+                        }
+                    ],
+                },
+            }
+        )
+
+    return edit
+
+
+class Traced:
+    def __init__(self, receiver: Receiver, sim: Proc, sim_url: str, flt: Proc, envoy: Proc, envoy_url: str):
+        self.receiver, self.sim_url, self.envoy_url = receiver, sim_url, envoy_url
+        self.procs = [envoy, flt, sim]
+
+    def traceparents(self) -> list[str]:
+        """The ``traceparent`` of each generate request the producer got (the last 50)."""
+        headers = httpx.get(self.sim_url + "/sim/headers").json()
+        return [v for h in headers for k, v in h.items() if k.lower() == "traceparent"]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def start(qwen3_dir: str, receiver: Receiver, envoy_traces: bool, *flags: str) -> Traced:
+    sim, sim_url = start_sim(qwen3_dir)  # echo mode: the prompt's tokens come back, up to max_tokens
+    procs: list[Proc] = [sim]
+    try:
+        model = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096"]
+        model += ["--workers", "1"]
+        model += ["--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}", *flags]
+        flt, port = start_filter(model, sim_url)
+        procs.append(flt)
+        edit = envoy_tracing(receiver.port) if envoy_traces else None
+        envoy, envoy_url = start_envoy(port, sim_url, edit=edit)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return Traced(receiver, sim, sim_url, flt, envoy, envoy_url)
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    r = Receiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def traced(qwen3_dir, receiver, monkeypatch_module):
+    # Spans leave the filter's batch processor within 0.2 s of ending (the SDK's default: 5 s).
+    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    t = start(qwen3_dir, receiver, True, "--trace-sample-ratio", "0")
+    yield t
+    t.stop()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def stream_chat(base: str, headers: dict | None = None, max_tokens: int = 12) -> list[dict]:
+    """A streamed chat through Envoy: its chunks."""
+    body = {
+        "model": "qwen3",
+        "messages": [{"role": "user", "content": "Tell me about traces."}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    import json
+
+    chunks = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers or {}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def spans_of(receiver: Receiver, trace_id: str, want: set[tuple[str, str]]) -> dict[tuple[str, str], object]:
+    """Wait for the spans ``want`` ((service, name) pairs) of one trace; all of that trace's, by pair."""
+
+    def seen():
+        got = {(s, span.name): span for s, span in receiver.trace(trace_id)}
+        return got if want <= set(got) else None
+
+    return wait_for(seen, f"spans {sorted(want)} of trace {trace_id}", timeout=30)
+
+
+def test_a_streamed_chat_is_one_trace_from_envoy_to_the_producer(traced):
+    parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+    chunks = stream_chat(traced.envoy_url, {"traceparent": parent})
+    usage = chunks[-1]["usage"]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+
+    spans = spans_of(
+        traced.receiver,
+        CLIENT_TRACE,
+        {("derender", "chat qwen3"), ("derender", "render"), ("derender", "route"), ("derender", "producer"),
+         ("envoy", "ingress"), ("envoy", EXT_PROC_SPAN)},
+    )  # Envoy's tracer flushes every 5 s
+    request = spans[("derender", "chat qwen3")]
+    # Envoy's spans, in the same trace: the filter's request span is the child of Envoy's ext_proc call.
+    envoy_spans = {span.span_id: span for s, span in traced.receiver.trace(CLIENT_TRACE) if s == "envoy"}
+    assert request.parent_span_id in envoy_spans, "the filter's span is not a child of one of Envoy's"
+    assert envoy_spans[request.parent_span_id].name == EXT_PROC_SPAN
+    ingress = [span for span in envoy_spans.values() if span.parent_span_id.hex() == CLIENT_SPAN]
+    assert ingress, "Envoy's ingress span does not continue the client's traceparent"
+    for name in ("render", "route", "producer"):
+        assert spans[("derender", name)].parent_span_id == request.span_id, name
+
+    # The producer got the trace: a traceparent of this trace (Envoy's router span's, Envoy tracing).
+    sent = [t for t in traced.traceparents() if CLIENT_TRACE in t]
+    assert sent, "the producer request carried no traceparent of the trace"
+    producer_parent = sent[-1].split("-")[2]
+    assert producer_parent in {span.span_id.hex() for _, span in traced.receiver.trace(CLIENT_TRACE)}
+
+    a = attrs(request)
+    assert a["gen_ai.operation.name"] == "chat"
+    assert a["gen_ai.request.model"] == "qwen3"
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
+    assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert a["gen_ai.request.max_tokens"] == 12
+    assert a["gen_ai.response.finish_reasons"] == finish
+    assert a["gen_ai.response.id"] == chunks[0]["id"]
+    assert a["derender.stream"] is True and a["derender.complete"] is True
+    assert a["http.response.status_code"] == 200
+    events = [e.name for e in spans[("derender", "producer")].events]
+    assert events == ["response_headers", "first_token"]
+
+
+@pytest.fixture(scope="module")
+def untraced_envoy(qwen3_dir, receiver, monkeypatch_module):
+    """The filter tracing at ratio 0 behind an Envoy without a tracer: only client parents count."""
+    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    t = start(qwen3_dir, receiver, False, "--trace-sample-ratio", "0")
+    yield t
+    t.stop()
+
+
+def test_without_envoys_tracer_the_clients_traceparent_is_followed(untraced_envoy):
+    sampled = "2" * 32
+    stream_chat(untraced_envoy.envoy_url, {"traceparent": f"00-{sampled}-{CLIENT_SPAN}-01"})
+    spans = spans_of(untraced_envoy.receiver, sampled, {("derender", "chat qwen3"), ("derender", "producer")})
+    assert spans[("derender", "chat qwen3")].parent_span_id.hex() == CLIENT_SPAN
+    # Without Envoy's tracer the producer gets the filter's producer span as its parent.
+    sent = [t for t in untraced_envoy.traceparents() if sampled in t]
+    assert sent and sent[-1] == f"00-{sampled}-{spans[('derender', 'producer')].span_id.hex()}-01"
+
+    # A new trace at ratio 0, and a parent that is not sampled: nothing exported; the producer still
+    # gets the context (not sampled), as W3C trace context asks.
+    unsampled = "3" * 32
+    stream_chat(untraced_envoy.envoy_url, {"traceparent": f"00-{unsampled}-{CLIENT_SPAN}-00"})
+    stream_chat(untraced_envoy.envoy_url)
+    sent = [t for t in untraced_envoy.traceparents() if unsampled in t]
+    assert sent and sent[-1].endswith("-00")
+    stream_chat(untraced_envoy.envoy_url, {"traceparent": f"00-{'4' * 32}-{CLIENT_SPAN}-01"})
+    spans_of(untraced_envoy.receiver, "4" * 32, {("derender", "chat qwen3")})  # exported after the others
+    assert not untraced_envoy.receiver.trace(unsampled)
+    new_traces = {t.split("-")[1] for t in untraced_envoy.traceparents()} - {sampled, unsampled, "4" * 32}
+    assert len(new_traces) == 1  # the request without a parent got a trace of its own ...
+    assert not untraced_envoy.receiver.trace(new_traces.pop())  # ... not kept at ratio 0
+
+
+def test_a_receiver_that_is_down_changes_nothing_for_clients(qwen3_dir, monkeypatch_module):
+    down = Receiver()  # never started: its port refuses
+    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    t = start(qwen3_dir, down, False)
+    try:
+        for _ in range(5):
+            started = time.monotonic()
+            chunks = stream_chat(t.envoy_url, {"traceparent": f"00-{'5' * 32}-{CLIENT_SPAN}-01"})
+            assert chunks[-1]["usage"]["completion_tokens"] > 0
+            # Not a speed check: an export's retries (seconds each) must never be waited for.
+            assert time.monotonic() - started < 10
+    finally:
+        t.stop()
