@@ -3,6 +3,7 @@
     .venv/bin/python bench/paced_ab.py --before /path/to/old/checkout            # before vs this tree
     .venv/bin/python bench/paced_ab.py --before ../old --rounds 5 --out bench/PACED_AB.md
     .venv/bin/python bench/paced_ab.py --before ../old --api messages   # through /v1/messages
+    .venv/bin/python bench/paced_ab.py --before . --after-traces        # traces off vs on, this tree
 
 One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
 (``bench/procs.py``'s config) and one filter worker (qwen3 + hermes, ``--workers 1``), started
@@ -55,8 +56,32 @@ def thread_cpu(pid: int) -> dict[int, float]:
         return {}
 
 
+class TraceSink:
+    """An OTLP/gRPC trace receiver in this process that counts the spans it gets (``--after-traces``)."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
+
+        sink = self
+        self.spans = 0
+
+        class Service(ts_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                sink.spans += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+                return ts.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        ts_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.url = f"http://127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
-              envoy_threads: int | None = None, frame_layer: str | None = None) -> dict:
+              envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
@@ -65,7 +90,7 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
         env["DERENDER_FRAME_LAYER"] = "h2"
     started: list[procs.Proc] = []
     try:
-        serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1"]
+        serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1", *flags]
         server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env,
                                           lockstep=args.lockstep,
                                           envoy_concurrency=envoy_threads or args.envoy_concurrency)
@@ -108,16 +133,21 @@ def main() -> int:
     parser.add_argument("--before-frame-layer", choices=["own", "h2"], default="own",
                         help="the before tree's ext_proc frame layer: the filter's own (default) or python-hyper's h2 "
                         "(bench/h2lib; with --before . : the frame layers A/B)")
+    parser.add_argument("--after-traces", action="store_true",
+                        help="the after tree exports OpenTelemetry traces (every request sampled) to a receiver here")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("paced-ab", args.tokens)
     trees = {"before": args.before, "after": args.after}
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
+    sink = TraceSink() if args.after_traces else None
+    traced = ("--otlp-traces-endpoint", sink.url, "--trace-sample-ratio", "1") if sink else ()
     for i in range(args.rounds):
         for name, tree in trees.items():
             result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None,
-                               args.before_frame_layer if name == "before" else None)
+                               args.before_frame_layer if name == "before" else None,
+                               traced if name == "after" else ())
             rounds[name].append(result)
             print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k == "msgs" else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
@@ -131,7 +161,8 @@ def main() -> int:
         f"{' --lockstep' if args.lockstep else ''}"
         f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != procs.ENVOY_CONCURRENCY else ''}"
         f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}"
-        f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}`: "
+        f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}"
+        f"{' --after-traces' if args.after_traces else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
@@ -145,6 +176,8 @@ def main() -> int:
         layer = ", h2 frame layer" if name == "before" and args.before_frame_layer == "h2" else ""
         lines.append(f"| {name} ({commit_of(trees[name])}{layer}) | {r['worker']:.0f} | {r['main']:.0f} | {r['other']:.0f} | "
                      f"{r['envoy']:.0f} | {r['worker'] + r['envoy']:.0f} | {r['msgs']:.2f} | {r['failed']} | {every} |")
+    if sink is not None:
+        lines += ["", f"The after tree exported traces (every request sampled; {sink.spans} spans received)."]
     b, a = median["before"], median["after"]
     lines += ["", f"After / before: worker {a['worker'] / b['worker']:.2f}x, worker + Envoy "
                   f"{(a['worker'] + a['envoy']) / (b['worker'] + b['envoy']):.2f}x, main thread {a['main'] / b['main']:.2f}x."]

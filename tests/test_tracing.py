@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 import httpx
 import pytest
+from derender.ops import envoy_config
 from derender.ops.children import free_port
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
@@ -69,55 +70,6 @@ def attrs(span) -> dict:
     return out
 
 
-def envoy_tracing(receiver_port: int):
-    """Envoy's OpenTelemetry tracer, to the receiver, every request sampled."""
-
-    def edit(config: dict) -> None:
-        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        hcm["tracing"] = {
-            "random_sampling": {"value": 100},
-            "provider": {
-                "name": "envoy.tracers.opentelemetry",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}, "timeout": "1s"},
-                    "service_name": "envoy",
-                },
-            },
-        }
-        config["static_resources"]["clusters"].append(
-            {
-                "name": "otlp",
-                "type": "STATIC",
-                "connect_timeout": "1s",
-                "typed_extension_protocol_options": {
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {"http2_protocol_options": {}},
-                    }
-                },
-                "load_assignment": {
-                    "cluster_name": "otlp",
-                    "endpoints": [
-                        {
-                            "lb_endpoints": [
-                                {
-                                    "endpoint": {
-                                        "address": {
-                                            "socket_address": {"address": "127.0.0.1", "port_value": receiver_port}
-                                        }
-                                    }
-                                }
-                            ]
-                        }
-                    ],
-                },
-            }
-        )
-
-    return edit
-
-
 class Traced:
     def __init__(self, receiver: Receiver, sim: Proc, sim_url: str, flt: Proc, envoy: Proc, envoy_url: str):
         self.receiver, self.sim_url, self.envoy_url = receiver, sim_url, envoy_url
@@ -142,7 +94,8 @@ def start(qwen3_dir: str, receiver: Receiver, envoy_traces: bool, *flags: str) -
         model += ["--otlp-traces-endpoint", f"http://127.0.0.1:{receiver.port}", *flags]
         flt, port = start_filter(model, sim_url)
         procs.append(flt)
-        edit = envoy_tracing(receiver.port) if envoy_traces else None
+        url = f"http://127.0.0.1:{receiver.port}"
+        edit = (lambda config: envoy_config.add_tracing(config, url)) if envoy_traces else None
         envoy, envoy_url = start_envoy(port, sim_url, edit=edit)
     except BaseException:
         for p in procs:
@@ -292,3 +245,46 @@ def test_a_receiver_that_is_down_changes_nothing_for_clients(qwen3_dir, monkeypa
             assert time.monotonic() - started < 10
     finally:
         t.stop()
+
+
+def sse_events(base: str, path: str, body: dict, headers: dict) -> list[dict]:
+    import json
+
+    out = []
+    with httpx.stream("POST", base + path, json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                out.append(json.loads(line[6:]))
+    return out
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_messages_and_responses_streams_are_one_trace_too(traced, api):
+    trace_id = {"messages": "6" * 32, "responses": "7" * 32}[api]
+    headers = {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"}
+    ask = [{"role": "user", "content": "Tell me about traces."}]
+    if api == "messages":
+        events = sse_events(traced.envoy_url, "/v1/messages",
+                            {"model": "qwen3", "max_tokens": 10, "messages": ask, "stream": True}, headers)
+        start = next(e for e in events if e["type"] == "message_start")["message"]
+        delta = next(e for e in events if e["type"] == "message_delta")
+        input_tokens, output_tokens = start["usage"]["input_tokens"], delta["usage"]["output_tokens"]
+    else:
+        events = sse_events(traced.envoy_url, "/v1/responses",
+                            {"model": "qwen3", "max_output_tokens": 10, "input": ask, "stream": True}, headers)
+        usage = next(e for e in events if e["type"] == "response.completed")["response"]["usage"]
+        input_tokens, output_tokens = usage["input_tokens"], usage["output_tokens"]
+    name = f"{api} qwen3"
+    spans = spans_of(traced.receiver, trace_id, {("derender", name), ("derender", "producer"),
+                                                 ("envoy", "ingress"), ("envoy", EXT_PROC_SPAN)})
+    request = spans[("derender", name)]
+    envoy_spans = {span.span_id: span for s, span in traced.receiver.trace(trace_id) if s == "envoy"}
+    assert envoy_spans[request.parent_span_id].name == EXT_PROC_SPAN
+    assert spans[("derender", "producer")].parent_span_id == request.span_id
+    assert any(trace_id in t for t in traced.traceparents()), "the producer request carried no traceparent of the trace"
+    a = attrs(request)
+    assert a["gen_ai.operation.name"] == api
+    assert a["gen_ai.usage.input_tokens"] == input_tokens
+    assert a["gen_ai.usage.output_tokens"] == output_tokens
+    assert a["derender.complete"] is True

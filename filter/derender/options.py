@@ -313,6 +313,13 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=None, help="the filter's Prometheus metrics port (default: none)"
     )
     up.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+        metavar="URL",
+        help="OpenTelemetry traces of Envoy and the filter to this OTLP/gRPC collector (default: "
+        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+    )
+    up.add_argument(
         "--api-key",
         action="append",
         default=None,

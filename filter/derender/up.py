@@ -184,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
             keys += ["--responses-store", args.responses_store]
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
+        traces = getattr(args, "otlp_traces_endpoint", None)
+        if traces:
+            keys += ["--otlp-traces-endpoint", traces]
         flt = stack.start(
             "filter",
             [
@@ -221,6 +224,10 @@ def run(args: argparse.Namespace) -> int:
             MAX_CONNECTIONS=args.max_connections,
             BODY_LIMIT_BYTES=max(16 << 20, getattr(args, "max_producer_body_bytes", 0)),
         )
+        if traces:  # Envoy's tracer too: its spans are the parents of the filter's
+            import yaml
+
+            config = yaml.safe_dump(envoy_config.add_tracing(yaml.safe_load(config), traces), sort_keys=False)
         folder = tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
         config_file = Path(folder) / "envoy.yaml"
         config_file.write_text(config)

@@ -150,3 +150,46 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
     else:
         raise ValueError(f"unknown routing {routing!r}")
     return cluster
+
+
+def add_tracing(config: dict, endpoint: str, service: str = "envoy", sampling: float = 100.0) -> dict:
+    """``config`` (a parsed Envoy config) with Envoy's OpenTelemetry tracer on every HTTP connection
+    manager, exporting over OTLP/gRPC to ``endpoint`` through a cluster of its own (``otlp``);
+    ``sampling``: the percentage of new traces (a client's sampled ``traceparent`` is followed).
+    Envoy's spans are then the parents of the filter's: its ext_proc call carries their context."""
+    host, port = split_url(endpoint)
+    tracing = {
+        "random_sampling": {"value": sampling},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "otlp"}, "timeout": "1s"},
+                "service_name": service,
+            },
+        },
+    }
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", ()):
+            for f in chain.get("filters", ()):
+                if f.get("name") == "envoy.filters.network.http_connection_manager":
+                    f["typed_config"]["tracing"] = tracing
+    address = {"socket_address": {"address": host, "port_value": port}}
+    config["static_resources"]["clusters"].append(
+        {
+            "name": "otlp",
+            "type": "STRICT_DNS",
+            "connect_timeout": "1s",
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            },
+            "load_assignment": {
+                "cluster_name": "otlp",
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": address}}]}],
+            },
+        }
+    )
+    return config
