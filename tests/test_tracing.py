@@ -288,3 +288,15 @@ def test_messages_and_responses_streams_are_one_trace_too(traced, api):
     assert a["gen_ai.usage.input_tokens"] == input_tokens
     assert a["gen_ai.usage.output_tokens"] == output_tokens
     assert a["derender.complete"] is True
+
+
+def test_on_grpcio_the_filter_reads_envoys_context_from_the_streams_metadata_too(qwen3_dir, receiver, monkeypatch_module):
+    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    t = start(qwen3_dir, receiver, True, "--transport", "grpcio")
+    try:
+        trace_id = "8" * 32
+        stream_chat(t.envoy_url, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+        spans = spans_of(receiver, trace_id, {("derender", "chat qwen3"), ("envoy", EXT_PROC_SPAN)})
+        assert spans[("derender", "chat qwen3")].parent_span_id == spans[("envoy", EXT_PROC_SPAN)].span_id
+    finally:
+        t.stop()

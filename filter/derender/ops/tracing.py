@@ -80,12 +80,17 @@ def configure(endpoint: str | None, sample_ratio: float = 1.0, service: str | No
     log.info("traces to %s over %s, sampled at %g", endpoint, kind, sample_ratio)
 
 
-def shutdown() -> None:
-    """Export what is queued (at the end of a worker)."""
+def shutdown(wait: float = 3.0) -> None:
+    """Export what is queued (at the end of a worker), waiting at most ``wait`` seconds: a collector
+    that is down never holds a worker's exit (the SDK's own shutdown may wait 30 s)."""
     global _tracer, _provider
-    if _provider is not None:
-        _provider.shutdown()
-    _tracer = _provider = None
+    provider, _tracer, _provider = _provider, None, None
+    if provider is not None:
+        import threading
+
+        done = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+        done.start()
+        done.join(wait)
 
 
 def _context(carrier: dict[str, str] | None):
