@@ -6,6 +6,7 @@ honoured, and a receiver that is down changing nothing for clients."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent import futures
@@ -112,19 +113,20 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def traced(qwen3_dir, receiver, monkeypatch_module):
-    # Spans leave the filter's batch processor within 0.2 s of ending (the SDK's default: 5 s).
-    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-    t = start(qwen3_dir, receiver, True, "--trace-sample-ratio", "0")
-    yield t
-    t.stop()
+def fast_export():
+    """The filters started here hand their spans to the exporter within 0.2 s (the SDK's default: 5 s)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def traced(qwen3_dir, receiver, fast_export):
+    """Envoy's tracer on; the filter keeps no new trace of its own (ratio 0) and follows Envoy's."""
+    t = start(qwen3_dir, receiver, True, "--trace-sample-ratio", "0")
+    yield t
+    t.stop()
 
 
 def stream_chat(base: str, headers: dict | None = None, max_tokens: int = 12) -> list[dict]:
@@ -136,8 +138,6 @@ def stream_chat(base: str, headers: dict | None = None, max_tokens: int = 12) ->
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    import json
-
     chunks = []
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers or {}, timeout=60) as r:
         assert r.status_code == 200, r.read()
@@ -200,9 +200,8 @@ def test_a_streamed_chat_is_one_trace_from_envoy_to_the_producer(traced):
 
 
 @pytest.fixture(scope="module")
-def untraced_envoy(qwen3_dir, receiver, monkeypatch_module):
+def untraced_envoy(qwen3_dir, receiver, fast_export):
     """The filter tracing at ratio 0 behind an Envoy without a tracer: only client parents count."""
-    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     t = start(qwen3_dir, receiver, False, "--trace-sample-ratio", "0")
     yield t
     t.stop()
@@ -232,9 +231,8 @@ def test_without_envoys_tracer_the_clients_traceparent_is_followed(untraced_envo
     assert not untraced_envoy.receiver.trace(new_traces.pop())  # ... not kept at ratio 0
 
 
-def test_a_receiver_that_is_down_changes_nothing_for_clients(qwen3_dir, monkeypatch_module):
+def test_a_receiver_that_is_down_changes_nothing_for_clients(qwen3_dir, fast_export):
     down = Receiver()  # never started: its port refuses
-    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
     t = start(qwen3_dir, down, False)
     try:
         for _ in range(5):
@@ -248,8 +246,6 @@ def test_a_receiver_that_is_down_changes_nothing_for_clients(qwen3_dir, monkeypa
 
 
 def sse_events(base: str, path: str, body: dict, headers: dict) -> list[dict]:
-    import json
-
     out = []
     with httpx.stream("POST", base + path, json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200, r.read()
@@ -290,8 +286,7 @@ def test_messages_and_responses_streams_are_one_trace_too(traced, api):
     assert a["derender.complete"] is True
 
 
-def test_on_grpcio_the_filter_reads_envoys_context_from_the_streams_metadata_too(qwen3_dir, receiver, monkeypatch_module):
-    monkeypatch_module.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+def test_on_grpcio_the_filter_reads_envoys_context_from_the_streams_metadata_too(qwen3_dir, receiver, fast_export):
     t = start(qwen3_dir, receiver, True, "--transport", "grpcio")
     try:
         trace_id = "8" * 32
