@@ -64,6 +64,16 @@ class ProducerExchange:
         self._asked_model: str | None = None  # a refused request's "model", for its log line
         self._asked_stream = False  # and whether it asked to stream
 
+    @property
+    def upstream(self) -> str | None:
+        """The producer replica Envoy reached, once its response started."""
+        return self._upstream
+
+    @property
+    def aborted(self) -> bool:
+        """The producer was told to stop this request."""
+        return self._aborted
+
     # -- what the subclass says ------------------------------------------------
     @property
     def sent(self) -> bool:

@@ -176,7 +176,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     rewritten = True
                     trace = getattr(exchange, "trace", None)
                     if trace is not None:  # the producer's request continues the trace
-                        rewrite.set_headers["traceparent"] = trace.sent()
+                        rewrite.set_headers.update(trace.sent())
                     await write(self._request_rewrite(rewrite))
                     if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
                         rewrite.then()

@@ -93,12 +93,17 @@ def shutdown(wait: float = 3.0) -> None:
         done.join(wait)
 
 
-def _context(carrier: dict[str, str] | None):
+def _propagator():
+    """W3C trace context (``traceparent``, ``tracestate``): the SDK's own reader and writer."""
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+    return TraceContextTextMapPropagator()
+
+
+def _context(carrier: dict[str, str] | None):
     if not carrier or "traceparent" not in carrier:
         return None
-    return TraceContextTextMapPropagator().extract(carrier)
+    return _propagator().extract(carrier)
 
 
 def begin(headers: dict[str, str], stream: dict[str, str] | None) -> RequestTrace | None:
@@ -131,19 +136,22 @@ class RequestTrace:
     @property
     def ids(self) -> tuple[str, str] | None:
         """(trace id, span id) in hex, for the log line; None when not sampled."""
+        from opentelemetry.trace import format_span_id, format_trace_id
+
         context = self.span.get_span_context()
         if not context.trace_flags.sampled:
             return None
-        return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+        return format_trace_id(context.trace_id), format_span_id(context.span_id)
 
-    def sent(self) -> str:
-        """The request goes on to a producer: its span starts; the ``traceparent`` the producer gets."""
+    def sent(self) -> dict[str, str]:
+        """The request goes on to a producer: its span starts; the trace headers the producer gets."""
         from opentelemetry.trace import SpanKind, set_span_in_context
 
         self._sent_at = time.monotonic()
         self.producer = self.tracer.start_span("producer", context=set_span_in_context(self.span), kind=SpanKind.CLIENT)
-        c = self.producer.get_span_context()
-        return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+        headers: dict[str, str] = {}
+        _propagator().inject(headers, context=set_span_in_context(self.producer))
+        return headers
 
     def end(self, exchange: Any, fields: dict[str, Any], started: float, first_token: float | None) -> None:
         """The request is over: its attributes and child spans from what the exchange kept
@@ -207,7 +215,7 @@ class RequestTrace:
             )
             render.end(end_time=_ns(render_start + render_time / 1000, now_mono, now_ns))
         routed = getattr(exchange, "routed", None)
-        upstream = getattr(exchange, "_upstream", None)
+        upstream = getattr(exchange, "upstream", None)
         if self.producer is not None:
             # The decision of --routing (its mode, key blocks, replica), else Envoy's load balancer's.
             at = _ns(self._sent_at, now_mono, now_ns)
@@ -237,7 +245,7 @@ class RequestTrace:
                 )
             if first_token is not None:
                 producer_attributes["derender.producer.first_token_ms"] = round((first_token - self._sent_at) * 1000, 1)
-            if getattr(exchange, "_aborted", False):
+            if getattr(exchange, "aborted", False):
                 producer_attributes["derender.producer.aborted"] = True
             producer.set_attributes(producer_attributes)
             if status and status != 200:
