@@ -14,6 +14,16 @@ from derender.ops import assets  # noqa: E402
 
 from stack import Stack  # noqa: E402
 
+# -- hypothesis ------------------------------------------------------------------------------------
+# One profile wherever the suite runs. Hypothesis loads a "ci" profile of its own when it sees a CI
+# variable (CI, GITHUB_ACTIONS, ...): derandomized draws, seeded by each test's source, so CI drew one
+# fixed set of examples that no local run ever drew. Here the draws are random, and ``.ci/run`` seeds
+# them with its printed seed (``--hypothesis-seed``): a CI failure replays locally with that seed.
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+hypothesis_settings.register_profile("derender", derandomize=False, database=None, deadline=None, print_blob=True)
+hypothesis_settings.load_profile("derender")
+
 
 # -- file order --------------------------------------------------------------------------------------
 # ``--shuffle-files SEED`` (CI: a fresh seed each run, printed in the header) runs the test files in an

@@ -108,6 +108,28 @@ def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None
     return envoy, base
 
 
+def start_layout(name: str, clusters: dict[str, list[int]], wait_ready: bool = True) -> tuple[Proc, int, int]:
+    """Envoy on a shipped layout as it is (``envoy/NAME.yaml``), only its addresses moved to loopback:
+    its listener and admin page on free ports, each cluster of ``clusters`` on those ports of
+    127.0.0.1 (its other clusters as written). Returns (Envoy, listener port, admin port)."""
+    config = yaml.safe_load((Path(envoy_config.envoy_dir()) / f"{name}.yaml").read_text())
+    listen, admin = free_port(), free_port()
+    config["admin"]["address"]["socket_address"].update(address="127.0.0.1", port_value=admin)
+    config["static_resources"]["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1", port_value=listen)
+    by_name = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    for cluster, ports in clusters.items():
+        endpoints = [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+                     for port in ports]
+        by_name[cluster]["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
+    path = Path(tempfile.mkdtemp(prefix=f"derender-{name}-")) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    envoy = Proc(f"envoy-{name}", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
+                                   "--log-level", "warn", "--disable-hot-restart"]).start()
+    if wait_ready:
+        envoy.wait(lambda: http_ok(f"http://127.0.0.1:{admin}/ready"), 60)
+    return envoy, listen, admin
+
+
 @dataclass
 class Stack:
     """Envoy + filter + simulator; ``base_url`` is the OpenAI endpoint (``.../v1``)."""

@@ -173,6 +173,32 @@ def test_replicas_layout_balances_over_several_filters():
     assert options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] > 0
 
 
+# The layouts an operator runs as they are (the others are templates ``derender up`` renders, and gives
+# Envoy's tracer with --otlp-traces-endpoint).
+STATIC_LAYOUTS = ("sidecar", "replicas", "compose")
+
+
+def _manager(config: dict) -> dict:
+    return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("name", STATIC_LAYOUTS)
+def test_every_static_layout_has_envoys_tracer_as_derender_up_configures_it(name):
+    """Envoy's OpenTelemetry tracer on the connection manager, exporting to an ``otlp`` cluster:
+    the block ``derender up --otlp-traces-endpoint`` adds (``envoy_config.add_tracing``), for the
+    collector address the layout names. (Its spans reaching a collector: tests/test_tracing.py.)"""
+    config = yaml.safe_load((ROOT / "envoy" / f"{name}.yaml").read_text())
+    [address] = [e["endpoint"]["address"]["socket_address"] for e in
+                 _cluster(config, "otlp")["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    bare = yaml.safe_load((ROOT / "envoy" / f"{name}.yaml").read_text())
+    del _manager(bare)["tracing"]
+    bare["static_resources"]["clusters"] = [c for c in bare["static_resources"]["clusters"] if c["name"] != "otlp"]
+    expected = envoy_config.add_tracing(bare, f"http://{address['address']}:{address['port_value']}")
+    assert _manager(config)["tracing"] == _manager(expected)["tracing"]
+    assert _cluster(config, "otlp") == _cluster(expected, "otlp")
+    assert address["port_value"] == 4317  # OTLP/gRPC's port
+
+
 # -- docker-compose.yaml -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def docker_env(tmp_path_factory) -> dict[str, str]:
@@ -185,7 +211,7 @@ def docker_env(tmp_path_factory) -> dict[str, str]:
     config = tmp_path_factory.mktemp("docker-config")
     (config / "cli-plugins").mkdir()
     (config / "cli-plugins" / "docker-compose").symlink_to(plugin)
-    env = {k: v for k, v in os.environ.items() if k not in {"MODEL", "SERVED_MODEL_NAME", "VLLM_ARGS", "FILTER_ARGS"}}
+    env = {k: v for k, v in os.environ.items() if k not in {"MODEL", "SERVED_MODEL_NAME", "VLLM_ARGS", "FILTER_ARGS", "TRACING"}}
     env["DOCKER_CONFIG"] = str(config)
     return env
 
@@ -202,8 +228,8 @@ def compose(docker_env, *args: str, file: Path = ROOT / "docker-compose.yaml", *
     )
 
 
-def compose_config(docker_env, profile: str, **env: str) -> dict:
-    result = compose(docker_env, "--profile", profile, "config", "--format", "json", **env)
+def compose_config(docker_env, *profiles: str, **env: str) -> dict:
+    result = compose(docker_env, *(a for p in profiles for a in ("--profile", p)), "config", "--format", "json", **env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -291,6 +317,38 @@ def test_compose_ext_proc_port_is_on_a_network_only_envoy_shares(docker_env, pro
                for key, n in s.get("networks", {}).items() if key != "extproc")
     # The filter reaches the producers (aborts) and the store on the other network.
     assert "default" in services["filter"]["networks"]
+
+
+def test_compose_tracing_profile_points_envoy_and_the_filter_at_its_collector(docker_env, monkeypatch):
+    """Profile tracing: a collector (Jaeger) that takes OTLP/gRPC on the address Envoy's tracer sends
+    to, on a network Envoy and the filter share; TRACING set points the filter at it too; without
+    TRACING the filter does not trace, and without the profile there is no collector."""
+    traced = compose_config(docker_env, "cpu", "tracing", TRACING="1")
+    services = traced["services"]
+    collector = services["otel-collector"]
+    assert collector["profiles"] == ["tracing"]
+    assert "receivers.otlp.protocols.grpc.endpoint=0.0.0.0:4317" in collector["command"]
+    [ui] = collector["ports"]
+    assert ui["target"] == 16686
+    envoy = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
+    [address] = [e["endpoint"]["address"]["socket_address"] for e in
+                 _cluster(envoy, "otlp")["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert address == {"address": "otel-collector", "port_value": 4317}
+    networks = lambda name: set(services[name].get("networks", {"default": None}))
+    assert networks("otel-collector") & networks("envoy") and networks("otel-collector") & networks("filter")
+    args = build_parser().parse_args(services["filter"]["command"])
+    env = services["filter"]["environment"]
+    assert args.otlp_traces_endpoint is None  # the flag is not given: the environment names the collector
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://otel-collector:4317"
+    from derender.options import settings
+
+    for value, expected in (("http://otel-collector:4317", "http://otel-collector:4317"), ("", None)):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", value)  # what the filter makes of it
+        assert settings(build_parser().parse_args(services["filter"]["command"])).otlp_traces_endpoint == expected
+
+    untraced = compose_config(docker_env, "cpu", "tracing")["services"]["filter"]["environment"]
+    assert untraced["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == ""
+    assert "otel-collector" not in compose_config(docker_env, "cpu")["services"]
 
 
 def test_compose_sim_command_is_one_derender_accepts(docker_env):
@@ -498,3 +556,19 @@ def test_k8s_limits_client_connections_as_every_envoy_layout_does(k8s):
     """Envoy Gateway's ClientTrafficPolicy sets the same client connection limit as envoy/*.yaml."""
     policy = k8s[("ClientTrafficPolicy", "openai")]["spec"]
     assert policy["connection"]["connectionLimit"] == {"value": 10000}
+
+
+def test_k8s_gateways_envoy_traces_to_the_collector_the_filter_sends_to(k8s):
+    """The Gateway's Envoy gets the EnvoyProxy settings with the OpenTelemetry tracer, and the filter
+    pods send their spans to the same collector Service (one trace per request)."""
+    gateway = k8s[("Gateway", "openai")]["spec"]
+    ref = gateway["infrastructure"]["parametersRef"]
+    assert (ref["group"], ref["kind"]) == ("gateway.envoyproxy.io", "EnvoyProxy")
+    tracing = k8s[("EnvoyProxy", ref["name"])]["spec"]["telemetry"]["tracing"]
+    assert tracing["provider"]["type"] == "OpenTelemetry"
+    [backend] = tracing["provider"]["backendRefs"]
+    assert 0 < tracing["samplingRate"] <= 100
+    [container] = k8s[("Deployment", "derender-filter")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    host, port = envoy_config.split_url(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
+    assert (host, port) == (backend["name"], backend["port"]) == ("otel-collector", 4317)

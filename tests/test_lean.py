@@ -217,6 +217,10 @@ def messages_body(chat: dict) -> dict:
     return body
 
 
+def clean(data: bytes) -> bytes:
+    return SIGNATURE.sub(b'"signature":"sig"', TOOL_USE_ID.sub(b'"id":"call-id"', data))
+
+
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "qwen2-vl"])
 def test_lean_messages_path_sends_vllms_bytes(name):
     """Messages on the lean path (``LeanMessagesStream``: the lean chat path's middle events, most
@@ -246,7 +250,6 @@ def test_lean_messages_path_sends_vllms_bytes(name):
         lean_stream = LeanMessagesStream(model, lean_rendered)
         assert reference.outputs.direct_state is None
         vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
-        clean = lambda data: SIGNATURE.sub(b'"signature":"sig"', TOOL_USE_ID.sub(b'"id":"call-id"', data))
         assert clean(lean_bytes) == clean(vllm_bytes), body
         middle = max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 2)  # neither the first nor the last
         if "stop" not in chat:  # a stop string ends a stream early and sends all events through process_outputs
@@ -257,9 +260,25 @@ def test_lean_messages_path_sends_vllms_bytes(name):
     assert middle > 0 and handled >= middle // 3, (handled, middle)
     after_first = sum(max(0, d[3] - 1) for d in done)
     assert after_first > 0 and direct >= after_first // 3, (direct, after_first)
-    # Of the middle deltas the parsers sent, reasoning or text inside an open block took the template
-    # (about half seen; tool-call arguments and block changes go to the converter).
-    assert templated >= (templated + converted) // 4, (templated, converted)
+    # Some middle deltas took the template; how many depends on the draws (tool-call arguments and
+    # block changes go to the converter: 16-71 % of them templated over the seeds tried).
+    assert templated > 0, (templated, converted)
+
+    # Where the template must carry nearly everything: reasoning, then text, one token per event. The
+    # converter takes only the delta that opens each block (thinking, text); every other delta that
+    # says anything is a template's (gpt-oss's channel markers say nothing).
+    _, answers = served(name)
+    ids = answers.answer("Paris is in France, and the sky there is grey today.",
+                         "It is rainy in Paris today, about 12 degrees.", [], end=True, think=True)
+    body = messages_body({"model": name, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                          "max_tokens": 2000})
+    payloads = events(ids, [1], False, "stop")
+    reference, lean_stream = MessagesStream(vllm_path(model), rendered(body)), LeanMessagesStream(model, rendered(body))
+    vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
+    assert clean(lean_bytes) == clean(vllm_bytes)
+    assert lean_stream.handled == len(ids) - 2  # every event but the first and the last
+    assert lean_stream.converted <= 2 and lean_stream.templated >= lean_stream.handled // 2, (
+        lean_stream.templated, lean_stream.converted, lean_stream.handled)
 
 
 def _shape(info) -> tuple:

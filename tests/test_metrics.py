@@ -21,8 +21,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import yaml
-from derender.ops import envoy_config
 from derender.extproc import health as derender_health
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,6 +32,7 @@ from stack import (
     http_post,
     start_envoy,
     start_filter,
+    start_layout,
     start_sim,
     wait_for,
 )
@@ -429,21 +428,12 @@ def not_serving():
     server.stop(None)
 
 
-def test_envoy_health_check_keeps_a_not_serving_replica_out(ms, not_serving, qwen3_tokenizer, tmp_path):
+def test_envoy_health_check_keeps_a_not_serving_replica_out(ms, not_serving, qwen3_tokenizer):
     """envoy/replicas.yaml with two replicas: the filter, and a server that is up but NOT_SERVING."""
     not_serving, fake = not_serving
-    config = yaml.safe_load((Path(envoy_config.envoy_dir()) / "replicas.yaml").read_text())
-    listen, admin = free_port(), free_port()
-    config["admin"]["address"]["socket_address"]["port_value"] = admin
-    config["static_resources"]["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1", port_value=listen)
-    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    endpoint = lambda port: {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
-    clusters["derender"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [endpoint(ms.filter_port), endpoint(not_serving)]}]
-    clusters["producer"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [endpoint(int(ms.sim_url.rsplit(":", 1)[1]))]}]
-    path = tmp_path / "replicas.yaml"
-    path.write_text(yaml.safe_dump(config))
-    envoy = Proc("envoy-replicas", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
-                                    "--log-level", "warn", "--disable-hot-restart"]).start()
+    envoy, listen, admin = start_layout(
+        "replicas", {"derender": [ms.filter_port, not_serving], "producer": [int(ms.sim_url.rsplit(":", 1)[1])]},
+        wait_ready=False)
     try:
         def flags() -> dict[int, str]:
             text = http_get(f"http://127.0.0.1:{admin}/clusters", timeout=2)[1].decode()

@@ -19,7 +19,7 @@ from derender.ops.children import free_port
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
 
-from stack import Proc, start_envoy, start_filter, start_sim, wait_for
+from stack import Proc, start_envoy, start_filter, start_layout, start_sim, wait_for
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -72,8 +72,8 @@ def attrs(span) -> dict:
 
 
 class Traced:
-    def __init__(self, receiver: Receiver, sim: Proc, sim_url: str, flt: Proc, envoy: Proc, envoy_url: str):
-        self.receiver, self.sim_url, self.envoy_url = receiver, sim_url, envoy_url
+    def __init__(self, receiver: Receiver, sim: Proc, sim_url: str, flt: Proc, filter_port: int, envoy: Proc, envoy_url: str):
+        self.receiver, self.sim_url, self.filter_port, self.envoy_url = receiver, sim_url, filter_port, envoy_url
         self.procs = [envoy, flt, sim]
 
     def traceparents(self) -> list[str]:
@@ -102,7 +102,7 @@ def start(qwen3_dir: str, receiver: Receiver, envoy_traces: bool, *flags: str) -
         for p in procs:
             p.stop()
         raise
-    return Traced(receiver, sim, sim_url, flt, envoy, envoy_url)
+    return Traced(receiver, sim, sim_url, flt, port, envoy, envoy_url)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +197,30 @@ def test_a_streamed_chat_is_one_trace_from_envoy_to_the_producer(traced):
     assert a["http.response.status_code"] == 200
     events = [e.name for e in spans[("derender", "producer")].events]
     assert events == ["response_headers", "first_token"]
+
+
+@pytest.mark.parametrize("layout", ["sidecar", "replicas", "compose"])
+def test_each_shipped_layouts_envoy_traces_into_one_trace_with_the_filter(traced, layout):
+    """The real Envoy on envoy/{sidecar,replicas,compose}.yaml as shipped, only the addresses moved
+    to this test's filter, simulator and receiver: its tracer's spans and the filter's are one
+    trace, the filter's request span the child of Envoy's ext_proc call, and the producer request
+    carries that trace."""
+    sim_port = int(traced.sim_url.rsplit(":", 1)[1])
+    envoy, listen, _ = start_layout(
+        layout, {"derender": [traced.filter_port], "producer": [sim_port], "otlp": [traced.receiver.port]})
+    try:
+        trace = f"{layout.encode().hex():0<32}"[:32]
+        stream_chat(f"http://127.0.0.1:{listen}", {"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
+        spans = spans_of(traced.receiver, trace, {("derender", "chat qwen3"), ("derender", "producer"),
+                                                  ("envoy", "ingress"), ("envoy", EXT_PROC_SPAN)})
+    finally:
+        envoy.stop()
+    envoy_spans = {span.span_id: span for s, span in traced.receiver.trace(trace) if s == "envoy"}
+    request = spans[("derender", "chat qwen3")]
+    assert envoy_spans[request.parent_span_id].name == EXT_PROC_SPAN
+    assert spans[("envoy", "ingress")].parent_span_id.hex() == CLIENT_SPAN
+    sent = [t for t in traced.traceparents() if trace in t]
+    assert sent and sent[-1].split("-")[2] in {span.span_id.hex() for span in envoy_spans.values()}
 
 
 @pytest.fixture(scope="module")
