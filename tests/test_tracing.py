@@ -290,11 +290,17 @@ def test_messages_and_responses_streams_are_one_trace_too(traced, api):
         start = next(e for e in events if e["type"] == "message_start")["message"]
         delta = next(e for e in events if e["type"] == "message_delta")
         input_tokens, output_tokens = start["usage"]["input_tokens"], delta["usage"]["output_tokens"]
+        finish = [delta["delta"]["stop_reason"]]  # as the client read it (end_turn, max_tokens: not the engine's)
     else:
         events = sse_events(traced.envoy_url, "/v1/responses",
                             {"model": "qwen3", "max_output_tokens": 10, "input": ask, "stream": True}, headers)
-        usage = next(e for e in events if e["type"] == "response.completed")["response"]["usage"]
+        final = next(e for e in events if e["type"] in ("response.completed", "response.incomplete"))["response"]
+        usage = final["usage"]
         input_tokens, output_tokens = usage["input_tokens"], usage["output_tokens"]
+        # No finish reason in the Responses API: the engine's, as the response's status says it.
+        cut = final["status"] == "incomplete"
+        assert final["incomplete_details"] == ({"reason": "max_output_tokens"} if cut else None)
+        finish = ["length" if cut else "stop"]
     name = f"{api} qwen3"
     spans = spans_of(traced.receiver, trace_id, {("derender", name), ("derender", "producer"),
                                                  ("envoy", "ingress"), ("envoy", EXT_PROC_SPAN)})
@@ -307,6 +313,7 @@ def test_messages_and_responses_streams_are_one_trace_too(traced, api):
     assert a["gen_ai.operation.name"] == api
     assert a["gen_ai.usage.input_tokens"] == input_tokens
     assert a["gen_ai.usage.output_tokens"] == output_tokens
+    assert a["gen_ai.response.finish_reasons"] == finish
     assert a["derender.complete"] is True
 
 

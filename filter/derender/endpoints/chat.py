@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from copy import copy
@@ -40,6 +41,9 @@ class ChatExchange(ProducerExchange):
     endpoint = "chat"
     operation = "chat"
     producer_cached_tokens: int | None = None  # non-streaming: what the producer's usage says
+    # A choice's finish reason as this API writes it to the client (a sampled trace records those;
+    # None: the engine's). A JSON string in the answer escapes its quotes: only the field matches.
+    client_finish: re.Pattern[bytes] | None = re.compile(rb'"finish_reason":"([a-z_]+)"')
 
     def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
         super().__init__(producer, x_request_id, log)
@@ -52,6 +56,7 @@ class ChatExchange(ProducerExchange):
         self._body_at: float | None = None  # seconds from the request's headers to its body
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
+        self.client_reasons: list[str] = []  # the finish reasons the client got (sampled traces only)
 
     # -- what the lifecycle needs to know (``ProducerExchange``) ---------------
     @property
@@ -203,9 +208,16 @@ class ChatExchange(ProducerExchange):
         if self._first_token is None and stream.completion_tokens:
             self._first_token = time.monotonic()
         data = b"".join(out)
+        if self.trace is not None and self.client_finish is not None and any(stream.outputs.reasons):
+            self._note_finish(data)  # a choice has finished: its reason is in these bytes or later ones
         if self._sent is not None:
             self._sent.append(data)
         return data
+
+    def _note_finish(self, data: bytes) -> None:
+        """Keep the finish reasons the client reads in ``data`` (``client_finish``), for the trace."""
+        assert self.client_finish is not None
+        self.client_reasons += [m.decode() for m in self.client_finish.findall(data)]
 
     async def _collect(self, collected: Collected, chunk: bytes, end: bool) -> bytes:
         """Non-streaming with stop strings: nothing until the generation is over, then the one JSON answer."""
@@ -218,6 +230,8 @@ class ChatExchange(ProducerExchange):
             if collected.final is not None:
                 out = await self.full_response(self.model, self.rendered, collected.final)
                 collected.whole = True
+                if self.trace is not None and self.client_finish is not None:
+                    self._note_finish(out)
             elif not end:
                 return b""
             else:
@@ -280,6 +294,8 @@ class ChatExchange(ProducerExchange):
             self.client_status = error.status
             return self.answer_error(error), error.status
         self._completion_tokens, self.finish_reasons = _token_count(body)
+        if self.trace is not None and self.client_finish is not None:
+            self._note_finish(out)
         try:
             self.producer_cached_tokens = cached_tokens(json.loads(body))
         except ValueError:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections import deque
 from http import HTTPStatus
 from typing import Any
@@ -278,6 +279,7 @@ class MessagesExchange(ChatExchange):
     full_response = staticmethod(message_response)
     endpoint = "messages"
     operation = "messages"
+    client_finish = re.compile(rb'"stop_reason":"([a-z_]+)"')  # end_turn, max_tokens, tool_use, stop_sequence
 
     @staticmethod
     def answer_error(exc: HTTPError) -> bytes:

@@ -281,7 +281,11 @@ def request_attributes(exchange: Any) -> dict[str, Any]:
 
 
 def finish_reasons(exchange: Any) -> list[str]:
-    """The engine's finish reason of each choice that finished (``gen_ai.response.finish_reasons``)."""
+    """Each finished choice's reason (``gen_ai.response.finish_reasons``): as the client read it
+    (``tool_calls``, Messages' ``end_turn``, ...) where its API has one, else the engine's."""
+    client = getattr(exchange, "client_reasons", None)
+    if client:
+        return list(client)
     stream = getattr(exchange, "stream", None)
     outputs = getattr(stream, "outputs", None)
     reasons = getattr(outputs, "reasons", None)

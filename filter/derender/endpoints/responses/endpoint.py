@@ -253,6 +253,7 @@ class ResponsesExchange(ChatExchange):
     full_response = staticmethod(response_object)
     endpoint = "responses"
     operation = "responses"
+    client_finish = None  # no finish reason in the Responses API (a status): the trace has the engine's
 
     async def request_body(self, body: bytes) -> Rewrite:
         rewrite = await super().request_body(body)
