@@ -24,6 +24,9 @@ class Stream:
         return self.reads[0] - self.start if self.reads else None
 
 
+HEADERS: dict[str, str] = {}  # more request headers on every stream (e.g. an API key)
+
+
 def session(limit: int = 0) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=limit, force_close=False),
@@ -39,7 +42,7 @@ async def stream_one(http: aiohttp.ClientSession, url: str, body: bytes, keep: b
     result = Stream(start=time.monotonic())
     tail = b""
     parts = []
-    async with http.post(url, data=body, headers={"content-type": "application/json"}) as response:
+    async with http.post(url, data=body, headers={"content-type": "application/json", **HEADERS}) as response:
         result.status = response.status
         async for data in response.content.iter_any():
             result.reads.append(time.monotonic())

@@ -4,6 +4,7 @@
     .venv/bin/python bench/paced_ab.py --before ../old --rounds 5 --out bench/PACED_AB.md
     .venv/bin/python bench/paced_ab.py --before ../old --api messages   # through /v1/messages
     .venv/bin/python bench/paced_ab.py --before . --after-traces        # traces off vs on, this tree
+    .venv/bin/python bench/paced_ab.py --before . --after-quotas        # token budgets off vs on, this tree
 
 One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
 (``bench/procs.py``'s config) and one filter worker (qwen3 + hermes, ``--workers 1``), started
@@ -80,6 +81,40 @@ class TraceSink:
         self.server.start()
 
 
+class QuotaStore:
+    """A redis-server here and a quota file whose one key never runs out (``--after-quotas``): the
+    after tree reserves, extends and settles every stream's tokens in it; nothing is refused."""
+
+    KEY = "sk-bench-quota"
+
+    def __init__(self) -> None:
+        import shutil
+        import socket
+        import tempfile
+
+        import yaml
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server (make setup installs it)"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        big = 10**12
+        self.path = Path(tempfile.mkdtemp(prefix="derender-bench-quota-")) / "quota.yaml"
+        self.path.write_text(yaml.safe_dump({
+            "redis": f"redis://127.0.0.1:{self.port}/0",
+            "keys": [{"name": "bench", "key": self.KEY, "tokens_per_minute": big, "tokens_per_day": big,
+                      "tokens_per_month": big, "requests_per_minute": big, "concurrent_streams": 100000}],
+        }))
+        self.flags = ("--quota-config", str(self.path), "--api-key", self.KEY)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
               envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ)
@@ -109,8 +144,10 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
     main = used.get(server.pid, 0.0)
     msgs = stats1.get("stream_msgs_sent", 0) - stats0.get("stream_msgs_sent", 0)
     per = lambda seconds: seconds / max(tokens, 1) * 1e6
+    firsts = sorted(r.ttft for r in results if r.ttft is not None)
     return {"worker": per(sum(used.values())), "main": per(main), "other": per(sum(used.values()) - main),
-            "envoy": per(envoy1 - envoy0), "msgs": msgs / max(tokens, 1), "failed": len(results) - sum(1 for r in results if r.done)}
+            "envoy": per(envoy1 - envoy0), "msgs": msgs / max(tokens, 1), "failed": len(results) - sum(1 for r in results if r.done),
+            "ttft_ms": firsts[len(firsts) // 2] * 1e3 if firsts else 0.0}
 
 
 def main() -> int:
@@ -135,6 +172,8 @@ def main() -> int:
                         "(bench/h2lib; with --before . : the frame layers A/B)")
     parser.add_argument("--after-traces", action="store_true",
                         help="the after tree exports OpenTelemetry traces (every request sampled) to a receiver here")
+    parser.add_argument("--after-quotas", action="store_true",
+                        help="the after tree charges every stream to a key's token budgets (--quota-config) in a Redis here")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -142,15 +181,21 @@ def main() -> int:
     trees = {"before": args.before, "after": args.after}
     rounds: dict[str, list[dict]] = {name: [] for name in trees}
     sink = TraceSink() if args.after_traces else None
-    traced = ("--otlp-traces-endpoint", sink.url, "--trace-sample-ratio", "1") if sink else ()
+    traced: tuple[str, ...] = ("--otlp-traces-endpoint", sink.url, "--trace-sample-ratio", "1") if sink else ()
+    store = QuotaStore() if args.after_quotas else None
+    if store is not None:
+        traced += store.flags
+        load.HEADERS["authorization"] = f"Bearer {store.KEY}"  # both trees get it; the before one checks no key
     for i in range(args.rounds):
         for name, tree in trees.items():
             result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None,
                                args.before_frame_layer if name == "before" else None,
                                traced if name == "after" else ())
             rounds[name].append(result)
-            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k == "msgs" else f"{k} {v:.0f}"
+            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k in ("msgs", "ttft_ms") else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
+    if store is not None:
+        store.stop()
     median = {name: sorted(rs, key=lambda r: r["worker"])[len(rs) // 2] for name, rs in rounds.items()}
     lines = [
         "# Two trees of the filter at production pacing",
@@ -162,22 +207,28 @@ def main() -> int:
         f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != procs.ENVOY_CONCURRENCY else ''}"
         f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}"
         f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}"
-        f"{' --after-traces' if args.after_traces else ''}`: "
+        f"{' --after-traces' if args.after_traces else ''}{' --after-quotas' if args.after_quotas else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
         f"{args.batches} x {args.streams} streams; the median round of each (by the worker's CPU), CPU us per token:",
         "",
-        "| tree | worker | its main thread | its other threads | Envoy | worker + Envoy | ext_proc msgs/token | failed | every round (worker) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tree | worker | its main thread | its other threads | Envoy | worker + Envoy | ext_proc msgs/token | failed | every round (worker) | first chunk, median ms, every round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in median.items():
         every = " / ".join(f"{x['worker']:.0f}" for x in rounds[name])
         layer = ", h2 frame layer" if name == "before" and args.before_frame_layer == "h2" else ""
         lines.append(f"| {name} ({commit_of(trees[name])}{layer}) | {r['worker']:.0f} | {r['main']:.0f} | {r['other']:.0f} | "
-                     f"{r['envoy']:.0f} | {r['worker'] + r['envoy']:.0f} | {r['msgs']:.2f} | {r['failed']} | {every} |")
+                     f"{r['envoy']:.0f} | {r['worker'] + r['envoy']:.0f} | {r['msgs']:.2f} | {r['failed']} | {every} | "
+                     + " / ".join(f"{x['ttft_ms']:.1f}" for x in rounds[name]) + " |")
     if sink is not None:
         lines += ["", f"The after tree exported traces (every request sampled; {sink.spans} spans received)."]
+    if store is not None:
+        lines += ["", "The after tree charged every stream to one key's budgets (--quota-config, Redis here): "
+                      "reserved before the producer, settled at the end; nothing refused or cut."]
+    ratios = [a["worker"] / b["worker"] for b, a in zip(rounds["before"], rounds["after"])]
+    lines += ["", "Round by round, after / before (worker): " + ", ".join(f"{r:.2f}" for r in ratios) + "."]
     b, a = median["before"], median["after"]
     lines += ["", f"After / before: worker {a['worker'] / b['worker']:.2f}x, worker + Envoy "
                   f"{(a['worker'] + a['envoy']) / (b['worker'] + b['envoy']):.2f}x, main thread {a['main'] / b['main']:.2f}x."]

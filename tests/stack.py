@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -106,6 +107,30 @@ def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None
     base = f"http://127.0.0.1:{port}"
     envoy.wait(lambda: http_ok(base + "/health"), 60)
     return envoy, base
+
+
+class Redis:
+    """A real redis-server on a free loopback port, no persistence."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        assert binary, "redis-server is installed by `make test` (Debian's redis-server package)"
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: Proc | None = None
+
+    def start(self) -> "Redis":
+        self.proc = Proc("redis", [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                   "--appendonly", "no"]).start()
+        self.proc.wait(lambda: tcp_open(self.port), 30)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
 
 
 def start_layout(name: str, clusters: dict[str, list[int]], wait_ready: bool = True) -> tuple[Proc, int, int]:

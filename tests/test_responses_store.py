@@ -9,40 +9,15 @@ anything reaches the producer, and it serves again when the store is back.
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import openai
 import pytest
 from agent_turns import FINAL, QUESTION, TOOL_RESULT, two_turns
 from agent_turns import WEATHER_FUNCTION as WEATHER
-from stack import Proc, free_port, start_envoy, start_filter, tcp_open, wait_for
+from stack import Redis, start_envoy, start_filter, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--workers", "1"]
-
-
-class Redis:
-    """A real redis-server on a free loopback port, no persistence."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary, "redis-server is installed by `make test` (Debian's redis-server package)"
-        self.binary = binary
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: Proc | None = None
-
-    def start(self) -> "Redis":
-        self.proc = Proc("redis", [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no"]).start()
-        self.proc.wait(lambda: tcp_open(self.port), 30)
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.stop()
-            self.proc = None
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"derender: {exc}") from None
         print(f"derender: stored responses kept in {process.responses_store}", file=sys.stderr)
 
+    if process.quota_config:
+        from .ops import quota
+
+        try:
+            quotas = quota.load(process.quota_config, process.responses_store)  # a bad entry stops the start
+        except quota.QuotaConfigError as exc:
+            raise SystemExit(f"derender: {exc}") from None
+        listed = f"{len(quotas.keys)} keys" + (", a default" if quotas.default else "")
+        print(f"derender: token budgets from {process.quota_config} ({listed}) in {quotas.redis}", file=sys.stderr)
+
     model = served(args, process)
     from .routing.balance import RoutingSpec
 
@@ -141,6 +151,26 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return assets.main(args.names)
 
 
+def cmd_quota(args: argparse.Namespace) -> int:
+    """``derender quota show KEY``: what remains of a key's budgets (KEY: the secret or its name)."""
+    import asyncio
+    import json
+
+    from .ops import quota
+
+    if not args.quota_config:
+        raise SystemExit("derender: quota show needs --quota-config FILE (or $DERENDER_QUOTA_CONFIG)")
+    try:
+        config = quota.load(args.quota_config, args.responses_store)
+        shown = asyncio.run(quota.show(config, args.key))
+    except quota.QuotaConfigError as exc:
+        raise SystemExit(f"derender: {exc}") from None
+    except quota.STORE_ERRORS as exc:
+        raise SystemExit(f"derender: the quota store {config.redis} did not answer: {exc}") from None
+    print(json.dumps(shown, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="derender", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DERENDER_LOG_LEVEL", "info"))
@@ -165,6 +195,18 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run Envoy + filter (+ simulator) on this machine")
     options.add_up_arguments(up)
     up.set_defaults(func=cmd_up)
+
+    quota_parser = sub.add_parser("quota", help="token budgets: `quota show KEY` prints what remains of a key's")
+    quota_parser.add_argument("action", choices=("show",))
+    quota_parser.add_argument("key", metavar="KEY", help="the API key, or its name in the quota file")
+    quota_parser.add_argument("--quota-config", default=os.environ.get("DERENDER_QUOTA_CONFIG") or None, metavar="FILE")
+    quota_parser.add_argument(
+        "--responses-store",
+        default=os.environ.get("DERENDER_RESPONSES_STORE") or None,
+        metavar="URL",
+        help="the Redis when the file names none (as derender serve)",
+    )
+    quota_parser.set_defaults(func=cmd_quota)
 
     fetch = sub.add_parser("fetch", help="fetch the pinned tokenizers into the cache")
     fetch.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(assets.ASSETS)} (default: all)")

@@ -22,10 +22,11 @@ class Reply:
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers (e.g. Retry-After)
 
     @classmethod
-    def error(cls, exc: HTTPError) -> Reply:
-        return cls(exc.status, exc.body())
+    def error(cls, exc: HTTPError, headers: dict[str, str] | None = None) -> Reply:
+        return cls(exc.status, exc.body(), headers=headers or {})
 
 
 @dataclass

@@ -133,6 +133,7 @@ def settings(args: argparse.Namespace) -> Settings:
         responses_store_ttl=getattr(args, "responses_store_ttl", defaults.responses_store_ttl),
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         trace_sample_ratio=getattr(args, "trace_sample_ratio", defaults.trace_sample_ratio),
+        quota_config=getattr(args, "quota_config", None),
     )
 
 
@@ -242,6 +243,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="keep stored Responses (store, previous_response_id, GET /v1/responses/{id}) in this Redis, "
         "redis://HOST:PORT[/DB], shared by every worker and filter replica (default: $DERENDER_RESPONSES_STORE, "
         "else off as in vLLM)",
+    )
+    serve.add_argument(
+        "--quota-config",
+        default=os.environ.get("DERENDER_QUOTA_CONFIG") or None,
+        metavar="FILE",
+        help="token budgets per API key (YAML, docs/quotas.md), kept in Redis (the file's redis:, else "
+        "--responses-store); checked at start, reloaded on SIGHUP (default: $DERENDER_QUOTA_CONFIG, else no limits)",
     )
     serve.add_argument(
         "--responses-store-ttl",

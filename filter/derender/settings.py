@@ -38,6 +38,8 @@ class Settings:
     # or Envoy's sampled parent is followed either way).
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
+    # Token budgets per API key: the quota file (``ops.quota``), None: no limits.
+    quota_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.stream_path not in STREAM_PATHS:

@@ -13,6 +13,8 @@ that routing (``routing.balance``) chose. Health and models are answered at once
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 from urllib.parse import unquote
@@ -20,7 +22,7 @@ from urllib.parse import unquote
 import orjson
 
 from ..exchange import Answered, Endpoint, Exchange, Reply, ResponseStart, Rewrite
-from ..ops import metrics
+from ..ops import metrics, quota
 from ..routing.balance import Balancer, Decision, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
 from ..routing.producer import Producer
@@ -30,7 +32,10 @@ from . import rendertier
 from .completions import serving_completion
 from .registry import ENDPOINTS
 
+log = logging.getLogger("derender.router")
 MODELS_PATH = "/v1/models"
+ASKED_MAX = frozenset(("max_tokens", "max_completion_tokens", "max_output_tokens"))  # a client's own cap
+_SETTLING: set[asyncio.Task] = set()  # quota settlements under way (a reference keeps each alive)
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's PRIORITY_HEADER, which its coupled server reads over the body's
 
 
@@ -132,6 +137,7 @@ class ModelExchange:
         self.balancer: Balancer | None = None
         self.decision: Decision | None = None
         self.trace: Any = None  # the request's trace (``ops.tracing``), handed to its exchange
+        self.account: quota.Account | None = None  # the key's budgets (``--quota-config``), if any apply
 
     @property
     def stream(self) -> Any:
@@ -146,6 +152,10 @@ class ModelExchange:
         if self.trace is not None and hasattr(self.inner, "trace"):
             self.inner.trace = self.trace  # that exchange ends it
         result = await self.inner.request_body(body)
+        if isinstance(result, Rewrite) and self.account is not None:
+            refused = await self._reserve(result)
+            if refused is not None:
+                return refused
         if isinstance(result, Rewrite):
             with_priority(result, self.priority)
             result.set_headers[CLUSTER_HEADER] = backend.cluster
@@ -163,14 +173,63 @@ class ModelExchange:
                 self.balancer = backend.balancer
         return result
 
+    async def _reserve(self, rewrite: Rewrite) -> Reply | None:
+        """Reserve the request's prompt and completion tokens on its key's budgets; the 429 (or the
+        503 when the quota store is down and the file says closed) that refuses it, or None."""
+        account = self.account
+        assert account is not None
+        rendered = getattr(self.inner, "rendered", None)
+        request, params = getattr(rendered, "request", None), getattr(rendered, "params", None)
+        prompt = (
+            len(rewrite.prompt_ids) if rewrite.prompt_ids is not None else int(getattr(self.inner, "prompt_tokens", 0))
+        )
+        reservation = account.quotas.config.reservation
+        n = getattr(params, "n", 1) or 1
+        most = getattr(params, "max_tokens", None)
+        asked = bool(ASKED_MAX & set(getattr(request, "model_fields_set", ()) or ()))
+        completion = most if most is not None and asked else min(most or reservation, reservation)
+        cap = account.quotas.config.max_reservation
+        completion = n * (min(completion, cap) if cap else completion)
+        model = getattr(request, "model", None)
+        try:
+            decision = await account.reserve(model if isinstance(model, str) else None, prompt, completion)
+        except quota.QuotaUnavailable as exc:
+            self.account = None
+            return Reply.error(self.endpoint.error(HTTPError(503, str(exc))))
+        if decision is None:
+            if account.active and hasattr(self.inner, "token_limit"):
+                self.inner.token_limit = account.covered  # past it, the stream waits for the budget
+            return None
+        self.account = None  # nothing reserved: nothing to settle
+        self.inner.client_status = 429  # type: ignore[attr-defined]  # the request log's status
+        error = HTTPError(429, quota.refusal_message(decision), "rate_limit_exceeded")
+        if self.endpoint.anthropic:
+            error = HTTPError(429, error.message, "rate_limit_error")
+        return Reply.error(self.endpoint.error(error), quota.headers(decision, self.endpoint.anthropic))
+
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         if self.balancer is not None and self.decision is not None:
             self.balancer.started(self.decision, upstream, status)
             self.routed = self.inner.routed = self.decision
-        return self.inner.response_headers(status, upstream)
+        start = self.inner.response_headers(status, upstream)
+        if self.account is not None:
+            start.set_headers.update(quota.headers(self.account.decision, self.endpoint.anthropic))
+        return start
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        return await self.inner.response_chunk(chunk, end)
+        out = await self.inner.response_chunk(chunk, end)
+        account = self.account
+        inner: Any = self.inner
+        while account is not None and getattr(inner, "held", None) is not None:
+            # The stream reached the tokens its reservation covers: more if the budget has them.
+            if await account.extend(inner.stream.completion_tokens + 1):
+                inner.token_limit = account.covered
+                out += inner.resume()
+            else:
+                account.cut = True  # the budget ends the stream here, as max_tokens would have
+                metrics.QUOTA_CUTS.labels(account.ident).inc()
+                out += inner.cut()
+        return out
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         return await self.inner.response_body(body)
@@ -188,6 +247,18 @@ class ModelExchange:
                 cached if cached is not None else getattr(inner, "producer_cached_tokens", None),
             )
         self.inner.close(complete)
+        account = self.account
+        if account is not None and account.active:
+            inner = self.inner
+            stream = getattr(inner, "stream", None)
+            used = (
+                getattr(stream, "completion_tokens", None)
+                if stream is not None
+                else getattr(inner, "_completion_tokens", None)
+            )
+            task = asyncio.get_running_loop().create_task(account.settle(None, used or 0))
+            _SETTLING.add(task)
+            task.add_done_callback(_SETTLING.discard)
         if self.trace is not None and getattr(self.inner, "trace", None) is not self.trace:  # none took it
             self.trace.end(self.inner, {"status": 0, "complete": complete}, 0.0, None)
 
@@ -206,7 +277,9 @@ class Router:
         served: Model | Backend | list[Backend],
         producer: Producer | ClusterProducers | None = None,
         routing: RoutingSpec | None = None,
+        quotas: quota.Quotas | None = None,
     ) -> None:
+        self.quotas = quotas  # token budgets per API key (``--quota-config``), or None
         if isinstance(served, Backend):
             served = [served]
         elif not isinstance(served, list):
@@ -250,7 +323,10 @@ class Router:
                     return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
                 if end_of_stream:
                     return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
-                return ModelExchange(self, endpoint, headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
+                exchange = ModelExchange(self, endpoint, headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
+                if self.quotas is not None:
+                    exchange.account = self.quotas.account(headers)
+                return exchange
             if path in ("/health", "/ping") and method == "GET":
                 return Reply(200, b"")
             if path == MODELS_PATH and method == "GET":

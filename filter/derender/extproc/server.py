@@ -28,7 +28,7 @@ from grpc.aio import EOF
 from ..endpoints import registry
 from ..endpoints.router import Router
 from ..exchange import Exchange, Reply, ResponseStart, Rewrite
-from ..ops import auth, loopwatch, metrics, tracing
+from ..ops import auth, loopwatch, metrics, quota, tracing
 from ..ops.warmup import warm_up
 from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE, RoutingSpec
 from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, producers
@@ -87,11 +87,13 @@ def _mutation(set_headers: dict[str, str] | None = None, remove: list[str] | tup
     return m
 
 
-def immediate(status: int, body: bytes, content_type: str = "application/json") -> pb.ProcessingResponse:
+def immediate(
+    status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=_mutation({"content-type": content_type}),
+            headers=_mutation({"content-type": content_type, **(headers or {})}),
             body=body,
             details="derender",
         )
@@ -151,7 +153,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     routed = await self.router.route(headers, message.request_headers.end_of_stream)
                     if isinstance(routed, Reply):
                         complete = True
-                        await write(immediate(routed.status, routed.body, routed.content_type))
+                        await write(immediate(routed.status, routed.body, routed.content_type, routed.headers))
                         return
                     exchange = routed
                     if tracing.enabled() and hasattr(exchange, "trace"):
@@ -171,7 +173,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     if isinstance(rewrite, Reply):  # answered from the body (e.g. /tokenize)
                         complete = True
-                        await write(immediate(rewrite.status, rewrite.body, rewrite.content_type))
+                        await write(immediate(rewrite.status, rewrite.body, rewrite.content_type, rewrite.headers))
                         return
                     rewritten = True
                     trace = getattr(exchange, "trace", None)
@@ -307,7 +309,7 @@ async def serve(
     listener = listener or Listener()
     settings = settings or Settings()
     producer = producers(producer_url.split(","), settings.stall_timeout)
-    router = Router(model, producer, routing)
+    router = Router(model, producer, routing, _quotas(settings))
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)
@@ -348,6 +350,8 @@ async def serve(
         ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "",
         producer_url,
     )
+    if settings.quota_config:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_quotas, router, settings)
     if ready is not None:
         ready.set()
     try:
@@ -361,6 +365,25 @@ async def serve(
 
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+def _quotas(settings: Settings) -> quota.Quotas | None:
+    """This worker's token budgets (``--quota-config``; the file was checked at start)."""
+    if not settings.quota_config:
+        return None
+    return quota.Quotas(quota.load(settings.quota_config, settings.responses_store))
+
+
+def _reload_quotas(router: Router, settings: Settings) -> None:
+    """SIGHUP: the quota file again. Requests already admitted settle on the budgets they began
+    with (their accounts keep the old object); a file that does not load now changes nothing."""
+    try:
+        quotas = _quotas(settings)
+    except quota.QuotaConfigError as exc:
+        log.error("SIGHUP: the quota file is not reloaded: %s", exc)
+        return
+    router.quotas = quotas
+    log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
 
 
 async def _until_terminated(server: grpc.aio.Server, health, processor: ExternalProcessor, drain: float) -> None:

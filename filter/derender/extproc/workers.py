@@ -91,6 +91,7 @@ def run(serve: Serve, port: int, workers: int) -> int:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until serve() handles it (--quota-config)
                 _die_with_parent()
                 if os.getppid() != parent:
                     os._exit(0)
@@ -120,8 +121,16 @@ def _supervise(children: dict[int, int]) -> int:
             except ProcessLookupError:
                 pass
 
+    def hangup(signum, _frame) -> None:  # reload (the quota file): every worker does it itself
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGHUP)
+            except ProcessLookupError:
+                pass
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, hangup)
     code = 0
     while children:
         try:

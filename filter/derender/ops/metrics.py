@@ -311,3 +311,18 @@ class StreamObserver:
         # not serve: those share one label, so random paths add no series.
         unknown = self.status == 404 and self._refused_at_headers
         REQUESTS.labels("other" if unknown or not self.path else self.path, str(self.status)).inc()
+
+
+# -- token budgets (--quota-config): per key name (or a default key's id), never the secret -------
+QUOTA_TOKENS = Counter(
+    "derender_quota_tokens", "Tokens charged to a key's budgets, by key and kind (prompt, completion)", ["key", "kind"]
+)
+QUOTA_REFUSALS = Counter(
+    "derender_quota_refusals", "Requests refused (429) by a key's budget, by key and limit", ["key", "limit"]
+)
+QUOTA_CUTS = Counter("derender_quota_cuts", "Streams ended mid-way at a key's budget, by key", ["key"])
+QUOTA_REDIS_ERRORS = Counter(
+    "derender_quota_redis_errors",
+    "Quota checks Redis did not answer, by what the filter did (open, closed)",
+    ["outcome"],
+)
