@@ -22,7 +22,7 @@ from derender.ops import quota
 from stack import DERENDER, Redis, start_envoy, start_filter, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "1"]
-KEYS = {name: f"sk-test-{name}" for name in ("rate", "day", "cut", "msgcut", "shared", "free", "gone")}
+KEYS = {name: f"sk-test-{name}" for name in ("rate", "day", "cut", "msgcut", "respcut", "shared", "free")}
 # A long question: the simulator echoes the prompt's tokens back, so an answer runs as long as it.
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon".split()
 LONG = " ".join(WORDS[i % len(WORDS)] for i in range(250))  # about 310 prompt tokens with the template
@@ -38,6 +38,7 @@ def quota_file(redis_url: str, **more) -> dict:
             {"name": "day", "key": KEYS["day"], "tokens_per_day": 100_000},
             {"name": "cut", "key": KEYS["cut"], "tokens_per_day": 500},
             {"name": "msgcut", "key": KEYS["msgcut"], "tokens_per_day": 500, "models": {"qwen3": {"tokens_per_minute": 100_000}}},
+            {"name": "respcut", "key": KEYS["respcut"], "tokens_per_day": 500},
             {"name": "shared", "key": KEYS["shared"], "tokens_per_day": 3000},
             {"name": "free", "key": KEYS["free"]},
         ],
@@ -193,6 +194,27 @@ def test_a_stream_ends_at_the_budget_as_a_length_cut(fleet):
     with pytest.raises(openai.RateLimitError) as caught:
         fleet.openai("cut").chat.completions.create(model="qwen3", messages=ask(), max_tokens=4)
     assert "tokens per day" in caught.value.body["message"]
+
+
+def test_a_responses_stream_ends_at_the_budget_as_incomplete(fleet):
+    """The Responses API's length cut: the response ends incomplete (max_output_tokens), its usage
+    what was sent and charged."""
+    events = list(fleet.openai("respcut").responses.create(model="qwen3", input=LONG, stream=True))
+    final = events[-1]
+    assert final.type == "response.incomplete", [e.type for e in events[-3:]]
+    assert final.response.incomplete_details.reason == "max_output_tokens"
+    usage = final.response.usage
+    assert 500 - 4 <= usage.total_tokens <= 500 + 4
+    wait_for(lambda: fleet.show("respcut")["scopes"]["*"]["tokens_used_today"] == usage.total_tokens, "settled", timeout=10)
+
+
+def test_n_choices_are_all_counted(fleet):
+    before = fleet.show("day")["scopes"]["*"]["tokens_used_today"]
+    answer = fleet.openai("day").chat.completions.create(model="qwen3", messages=ask("Say hi."), max_tokens=6, n=3)
+    assert len(answer.choices) == 3
+    assert answer.usage.completion_tokens > 6  # three choices' tokens
+    wait_for(lambda: fleet.show("day")["scopes"]["*"]["tokens_used_today"] == before + answer.usage.total_tokens,
+             "settled to the three choices' usage", timeout=10)
 
 
 def test_a_messages_stream_ends_at_the_budget_with_max_tokens_as_its_stop_reason(qwen3_dir, redis_server, tmp_path_factory):

@@ -27,12 +27,13 @@ from ..translate.render import Rendered, render_chat
 from ..translate.sse import SSEDecoder, SSEError
 from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
 from . import rendertier
+from .budget import Budgeted, has_tokens
 from .lifecycle import ProducerExchange, ms, producer_failure
 
 log = logging.getLogger("derender.chat")
 
 
-class ChatExchange(ProducerExchange):
+class ChatExchange(Budgeted, ProducerExchange):
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
     stream_class: Callable[..., Any] = ChatStream  # (model, rendered, ...) -> the stream's state
@@ -57,10 +58,6 @@ class ChatExchange(ProducerExchange):
         self._render_time: float | None = None
         self._headers_at: float | None = None  # seconds from the request's headers to the producer's
         self.client_reasons: list[str] = []  # the finish reasons the client got (sampled traces only)
-        # A key's budget (``ops.quota``): the completion tokens a stream may reach before the events
-        # after them are held for the budget to decide (None: no limit).
-        self.token_limit: int | None = None
-        self.held: tuple[list[bytes], SSEError | None, bool] | None = None
 
     # -- what the lifecycle needs to know (``ProducerExchange``) ---------------
     @property
@@ -200,7 +197,7 @@ class ChatExchange(ProducerExchange):
         out: list[bytes] = []
         limit = self.token_limit
         for k, payload in enumerate(payloads):
-            if limit is not None and stream.completion_tokens >= limit and _has_tokens(payload) and not stream.finished:
+            if limit is not None and stream.completion_tokens >= limit and has_tokens(payload) and not stream.finished:
                 self.held = (payloads[k:], bad, end)
                 return self._out(stream, out)
             data, abort = stream.feed(payload)
@@ -229,45 +226,6 @@ class ChatExchange(ProducerExchange):
         if self._sent is not None:
             self._sent.append(data)
         return data
-
-    def resume(self) -> bytes:
-        """The events ``held`` at the token limit, now that it is higher."""
-        stream, held = self.stream, self.held
-        self.held = None
-        if held is None or not isinstance(stream, ChatStream):
-            return b""
-        return self._events(stream, *held)
-
-    def cut(self) -> bytes:
-        """End the stream at the tokens sent so far, as the engine ends one at ``max_tokens``: every
-        unfinished choice finishes with ``length`` (Messages: ``max_tokens``; Responses: incomplete),
-        then usage and the end, all through the stream as the producer's own events would go; the
-        producer's request is aborted. (A key's budget ran out: ``ops.quota``.)"""
-        stream = self.stream
-        if not isinstance(stream, ChatStream) or stream.finished:
-            return b""
-        rid = stream.producer_request_id
-        events: list[dict[str, Any]] = [
-            {
-                "request_id": rid,
-                "usage": None,
-                "choices": [{"index": i, "finish_reason": "length", "stop_reason": None, "token_ids": []}],
-            }
-            for i, done in enumerate(stream.outputs.finished)
-            if not done
-        ]
-        tokens = stream.completion_tokens
-        usage = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": tokens,
-            "total_tokens": self.prompt_tokens + tokens,
-        }
-        events.append({"request_id": rid, "usage": usage, "choices": []})
-        self.held = None  # what the producer sent past the budget is dropped
-        out = [stream.feed(json.dumps(e).encode())[0] for e in events]
-        out.append(stream.feed(b"[DONE]")[0])
-        self._abort("quota")
-        return self._out(stream, out)
 
     def _note_finish(self, data: bytes) -> None:
         """Keep the finish reasons the client reads in ``data`` (``client_finish``), for the trace."""
@@ -386,17 +344,6 @@ class ChatExchange(ProducerExchange):
             sent = b"".join(self._sent)
             tail["completion"] = self.completion_texts(sent, rendered.stream)
         return tail
-
-
-def _has_tokens(payload: bytes) -> bool:
-    """Whether a producer event carries completion tokens (at the token limit only: rare)."""
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return True
-    return isinstance(event, dict) and any(
-        c.get("token_ids") for c in event.get("choices") or () if isinstance(c, dict)
-    )
 
 
 def _token_count(body: bytes) -> tuple[int | None, tuple[str, ...]]:

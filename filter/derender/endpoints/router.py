@@ -298,6 +298,15 @@ class Router:
                 if self.by_name.setdefault(name, backend) is not backend:
                     raise ValueError(f"the model name {name!r} is served twice")
 
+    def reload_quotas(self, settings: Any) -> None:
+        """SIGHUP: the ``Settings``' quota file again; admitted requests settle on the budgets they
+        began with. A file that does not load now changes nothing."""
+        try:
+            self.quotas = quota.configured(settings)
+            log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
+        except quota.QuotaConfigError as exc:
+            log.error("SIGHUP: the quota file is not reloaded: %s", exc)
+
     def backend_for(self, body: bytes) -> Backend:
         """The backend of the body's ``model``; a body vLLM will refuse goes to the default one."""
         if len(self.backends) == 1:
@@ -325,7 +334,7 @@ class Router:
                     return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
                 exchange = ModelExchange(self, endpoint, headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
                 if self.quotas is not None:
-                    exchange.account = self.quotas.account(headers)
+                    exchange.account = quota.Account.of(self.quotas, headers)
                 return exchange
             if path in ("/health", "/ping") and method == "GET":
                 return Reply(200, b"")

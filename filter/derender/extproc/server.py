@@ -309,7 +309,7 @@ async def serve(
     listener = listener or Listener()
     settings = settings or Settings()
     producer = producers(producer_url.split(","), settings.stall_timeout)
-    router = Router(model, producer, routing, _quotas(settings))
+    router = Router(model, producer, routing, quota.configured(settings))
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)
@@ -350,8 +350,8 @@ async def serve(
         ", mTLS" if listener.tls_client_ca else ", TLS" if listener.tls_cert else "",
         producer_url,
     )
-    if settings.quota_config:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_quotas, router, settings)
+    if settings.quota_config:  # SIGHUP: the quota file again
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, router.reload_quotas, settings)
     if ready is not None:
         ready.set()
     try:
@@ -365,25 +365,6 @@ async def serve(
 
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-
-
-def _quotas(settings: Settings) -> quota.Quotas | None:
-    """This worker's token budgets (``--quota-config``; the file was checked at start)."""
-    if not settings.quota_config:
-        return None
-    return quota.Quotas(quota.load(settings.quota_config, settings.responses_store))
-
-
-def _reload_quotas(router: Router, settings: Settings) -> None:
-    """SIGHUP: the quota file again. Requests already admitted settle on the budgets they began
-    with (their accounts keep the old object); a file that does not load now changes nothing."""
-    try:
-        quotas = _quotas(settings)
-    except quota.QuotaConfigError as exc:
-        log.error("SIGHUP: the quota file is not reloaded: %s", exc)
-        return
-    router.quotas = quotas
-    log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
 
 
 async def _until_terminated(server: grpc.aio.Server, health, processor: ExternalProcessor, drain: float) -> None:
