@@ -19,7 +19,9 @@ import pytest
 import yaml
 from derender.ops import quota
 
-from stack import DERENDER, Redis, start_envoy, start_filter, start_sim, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+from stack import DERENDER, Redis, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "1"]
 KEYS = {name: f"sk-test-{name}" for name in ("rate", "day", "cut", "msgcut", "respcut", "shared", "free")}
@@ -56,10 +58,12 @@ class Fleet:
         self.sim, self.sim_url = start_sim(qwen3_dir)
         self.procs = [self.sim]
         self.urls: list[str] = []
+        self.metrics_ports: list[int] = []
         keys = [flag for key in [*KEYS.values(), "sk-unlisted"] for flag in ("--api-key", key)]
         for _ in range(filters):
-            flt, port = start_filter(["--model", qwen3_dir, *FLAGS, "--quota-config", str(self.path), *keys],
-                                     self.sim_url)
+            self.metrics_ports.append(free_port())
+            flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys]
+            flt, port = start_filter(["--model", qwen3_dir, *FLAGS, *flags], self.sim_url)
             envoy, url = start_envoy(port, self.sim_url)
             self.procs += [flt, envoy]
             self.urls.append(url)
@@ -74,6 +78,17 @@ class Fleet:
     def show(self, key: str) -> dict:
         config = quota.load(str(self.path))
         return asyncio.run(quota.show(config, KEYS.get(key, key)))
+
+    def counted(self, name: str, **labels: str) -> float:
+        """A counter's value summed over the filter processes, for the samples with ``labels``."""
+        total = 0.0
+        for port in self.metrics_ports:
+            text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == name and labels.items() <= sample.labels.items():
+                        total += sample.value
+        return total
 
     def aborted(self) -> list[str]:
         return httpx.get(self.sim_url + "/sim/aborted").json()
@@ -154,6 +169,7 @@ def test_requests_per_minute_refused_in_each_clients_shape_with_their_headers(fl
     assert refused.value.body["error"]["type"] == "rate_limit_error"
     assert refused.value.response.headers["anthropic-ratelimit-requests-limit"] == "2"
     assert "retry-after" in refused.value.response.headers
+    assert fleet.counted("derender_quota_refusals_total", key="rate", limit="requests_per_minute") == 2
     # A key with no limits, and a key the file does not list (no default entry): no headers, no limits.
     for key in ("free", "sk-unlisted"):
         answer = fleet.openai(key).chat.completions.with_raw_response.create(model="qwen3", messages=ask(), max_tokens=4)
@@ -190,6 +206,9 @@ def test_a_stream_ends_at_the_budget_as_a_length_cut(fleet):
     wait_for(lambda: fleet.show("cut")["scopes"]["*"]["tokens_used_today"] == usage.total_tokens, "settled", timeout=10)
     assert usage.total_tokens <= 500 + 4
     assert wait_for(lambda: fleet.aborted(), "the producer request aborted", timeout=10)
+    assert fleet.counted("derender_quota_cuts_total", key="cut") == 1
+    assert fleet.counted("derender_quota_tokens_total", key="cut", kind="completion") == usage.completion_tokens
+    assert fleet.counted("derender_quota_tokens_total", key="cut", kind="prompt") == usage.prompt_tokens
     # The next request of the key is refused at once: nothing is left today.
     with pytest.raises(openai.RateLimitError) as caught:
         fleet.openai("cut").chat.completions.create(model="qwen3", messages=ask(), max_tokens=4)
@@ -280,6 +299,7 @@ def test_redis_away_fails_as_the_file_says(qwen3_dir, tmp_path_factory, mode):
             answer = client.chat.completions.create(model="qwen3", messages=ask(), max_tokens=4)
             assert answer.choices[0].finish_reason
         assert "quota: Redis did not answer" in f.filters[0].tail(200), "the failure was not logged"
+        assert f.counted("derender_quota_redis_errors_total", outcome=mode) >= 1
     finally:
         f.stop()
 

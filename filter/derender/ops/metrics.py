@@ -315,14 +315,23 @@ class StreamObserver:
 
 # -- token budgets (--quota-config): per key name (or a default key's id), never the secret -------
 QUOTA_TOKENS = Counter(
-    "derender_quota_tokens", "Tokens charged to a key's budgets, by key and kind (prompt, completion)", ["key", "kind"]
+    "derender_quota_tokens",
+    "Tokens charged to a key's budgets, by key and kind (prompt, completion)",
+    ["key", "kind"],
+    registry=REGISTRY,
 )
 QUOTA_REFUSALS = Counter(
-    "derender_quota_refusals", "Requests refused (429) by a key's budget, by key and limit", ["key", "limit"]
+    "derender_quota_refusals",
+    "Requests refused (429) by a key's budget, by key and limit",
+    ["key", "limit"],
+    registry=REGISTRY,
 )
-QUOTA_CUTS = Counter("derender_quota_cuts", "Streams ended mid-way at a key's budget, by key", ["key"])
+QUOTA_CUTS = Counter(
+    "derender_quota_cuts", "Streams ended mid-way at a key's budget, by key", ["key"], registry=REGISTRY
+)
 QUOTA_REDIS_ERRORS = Counter(
     "derender_quota_redis_errors",
     "Quota checks Redis did not answer, by what the filter did (open, closed)",
     ["outcome"],
+    registry=REGISTRY,
 )
