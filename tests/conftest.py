@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from derender.ops import assets  # noqa: E402
 
-from stack import Stack  # noqa: E402
+from stack import Redis, Stack  # noqa: E402
 
 # -- hypothesis ------------------------------------------------------------------------------------
 # One profile wherever the suite runs. Hypothesis loads a "ci" profile of its own when it sees a CI
@@ -162,3 +162,11 @@ def h2_target(qwen3_dir):
     target = start_target(qwen3_dir, "--ext-proc-idle-timeout", "5")
     yield target
     target.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real redis-server on a free loopback port for one test file (no persistence)."""
+    server = Redis().start()
+    yield server
+    server.stop()

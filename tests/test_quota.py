@@ -99,13 +99,6 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def redis_server():
-    server = Redis().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def fleet(qwen3_dir, redis_server, tmp_path_factory):
     f = Fleet(qwen3_dir, redis_server, tmp_path_factory)
     yield f

@@ -14,17 +14,10 @@ import openai
 import pytest
 from agent_turns import FINAL, QUESTION, TOOL_RESULT, two_turns
 from agent_turns import WEATHER_FUNCTION as WEATHER
-from stack import Redis, start_envoy, start_filter, wait_for
+from stack import start_envoy, start_filter, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--reasoning-parser", "qwen3",
          "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--workers", "1"]
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    server = Redis().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

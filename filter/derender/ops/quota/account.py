@@ -135,24 +135,18 @@ def headers(decision: Decision | None, anthropic: bool) -> dict[str, str]:
         return {}
     out: dict[str, str] = {}
     d = decision
-    if anthropic:
-        if d.requests_limit:
-            out["anthropic-ratelimit-requests-limit"] = str(d.requests_limit)
-            out["anthropic-ratelimit-requests-remaining"] = str(d.requests_remaining)
-            out["anthropic-ratelimit-requests-reset"] = _at(d.requests_reset_ms)
-        if d.tokens_limit:
-            out["anthropic-ratelimit-tokens-limit"] = str(d.tokens_limit)
-            out["anthropic-ratelimit-tokens-remaining"] = str(d.tokens_remaining)
-            out["anthropic-ratelimit-tokens-reset"] = _at(d.tokens_reset_ms)
-    else:
-        if d.requests_limit:
-            out["x-ratelimit-limit-requests"] = str(d.requests_limit)
-            out["x-ratelimit-remaining-requests"] = str(d.requests_remaining)
-            out["x-ratelimit-reset-requests"] = _duration(d.requests_reset_ms)
-        if d.tokens_limit:
-            out["x-ratelimit-limit-tokens"] = str(d.tokens_limit)
-            out["x-ratelimit-remaining-tokens"] = str(d.tokens_remaining)
-            out["x-ratelimit-reset-tokens"] = _duration(d.tokens_reset_ms)
+    for kind, limit, remaining, reset in (
+        ("requests", d.requests_limit, d.requests_remaining, d.requests_reset_ms),
+        ("tokens", d.tokens_limit, d.tokens_remaining, d.tokens_reset_ms),
+    ):
+        if not limit:
+            continue
+        if anthropic:  # anthropic-ratelimit-tokens-remaining, ...; reset: the instant
+            named = {"limit": str(limit), "remaining": str(remaining), "reset": _at(reset)}
+            out.update({f"anthropic-ratelimit-{kind}-{k}": v for k, v in named.items()})
+        else:  # x-ratelimit-remaining-tokens, ...; reset: a duration
+            named = {"limit": str(limit), "remaining": str(remaining), "reset": _duration(reset)}
+            out.update({f"x-ratelimit-{k}-{kind}": v for k, v in named.items()})
     if not d.ok and d.retry_ms >= 0:
         out["retry-after"] = str(max(1, math.ceil(d.retry_ms / 1000)))
     return out
