@@ -119,6 +119,11 @@ class ProducerExchange:
         self._watch = StallWatch(self.request_id, self._stalled, self.producer.stall_timeout)
         self._watch.start()
 
+    @property
+    def completion_tokens(self) -> int | None:
+        """The completion tokens received from the producer: the stream's, else the buffered answer's."""
+        return self.stream.completion_tokens if self.stream is not None else self._completion_tokens
+
     def _failed(self, error: str) -> None:
         """Count the exchange's first failure (a ``FAILURES`` name)."""
         if self.error is None:
@@ -184,7 +189,7 @@ class ProducerExchange:
             client_status=self.client_status,
             stream=self.streamed if sent else self._asked_stream,
             prompt_tokens=self.prompt_tokens if sent else None,
-            completion_tokens=stream.completion_tokens if stream is not None else self._completion_tokens,
+            completion_tokens=self.completion_tokens,
         )
         if trace is not None:
             trace.end(self, fields, self._started, self._first_token)

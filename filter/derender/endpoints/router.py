@@ -226,7 +226,7 @@ class ModelExchange:
                 inner.token_limit = account.covered
                 out += inner.resume()
             else:
-                account.cut = True  # the budget ends the stream here, as max_tokens would have
+                # The budget ends the stream here, as max_tokens would have.
                 metrics.QUOTA_CUTS.labels(account.ident).inc()
                 out += inner.cut()
         return out
@@ -249,14 +249,8 @@ class ModelExchange:
         self.inner.close(complete)
         account = self.account
         if account is not None and account.active:
-            inner = self.inner
-            stream = getattr(inner, "stream", None)
-            used = (
-                getattr(stream, "completion_tokens", None)
-                if stream is not None
-                else getattr(inner, "_completion_tokens", None)
-            )
-            task = asyncio.get_running_loop().create_task(account.settle(None, used or 0))
+            used = getattr(self.inner, "completion_tokens", None)  # a ProducerExchange's
+            task = asyncio.get_running_loop().create_task(account.settle(used or 0))
             _SETTLING.add(task)
             task.add_done_callback(_SETTLING.discard)
         if self.trace is not None and getattr(self.inner, "trace", None) is not self.trace:  # none took it

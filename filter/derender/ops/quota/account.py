@@ -37,7 +37,6 @@ class Account:
         self.prompt_tokens = 0
         self.decision: Decision | None = None  # the reservation's: for the response's headers
         self.active = False  # Redis holds a reservation to settle
-        self.cut = False  # the stream was ended at the budget
 
     async def reserve(self, model: str | None, prompt_tokens: int, completion_tokens: int) -> Decision | None:
         """Reserve the prompt and ``completion_tokens``; the refusal, or None (allowed). Raises
@@ -90,21 +89,16 @@ class Account:
         self.covered += int(decision.granted / self.key.completion_weight)
         return used <= self.covered
 
-    async def settle(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
-        """Charge what was used (``None``: as reserved), give back the rest, free the stream's slot."""
+    async def settle(self, completion_tokens: int) -> None:
+        """Charge the prompt and the completion tokens the client got, give back the rest of the
+        reservation, free the stream's slot."""
         if not self.active:
             return
         self.active = False
-        prompt = self.prompt_tokens if prompt_tokens is None else prompt_tokens
-        used = self.key.prompt_weight * prompt
-        completion = completion_tokens if completion_tokens is not None else None
-        if completion is None:
-            used = self.reserved  # nothing known: keep the reservation
-        else:
-            used += self.key.completion_weight * completion
-        metrics.QUOTA_TOKENS.labels(self.ident, "prompt").inc(prompt)
-        if completion:
-            metrics.QUOTA_TOKENS.labels(self.ident, "completion").inc(completion)
+        used = self.key.prompt_weight * self.prompt_tokens + self.key.completion_weight * completion_tokens
+        metrics.QUOTA_TOKENS.labels(self.ident, "prompt").inc(self.prompt_tokens)
+        if completion_tokens:
+            metrics.QUOTA_TOKENS.labels(self.ident, "completion").inc(completion_tokens)
         try:
             await self.quotas.run(self.scopes, "settle", used - self.reserved, self.stream_id)
         except STORE_ERRORS as exc:
