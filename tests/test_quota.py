@@ -24,7 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from stack import DERENDER, Redis, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "1"]
-KEYS = {name: f"sk-test-{name}" for name in ("rate", "day", "cut", "msgcut", "respcut", "shared", "free")}
+KEYS = {
+    name: f"sk-test-{name}"
+    for name in ("rate", "day", "cut", "msgcut", "msgbuf", "respcut", "bufchat", "bufresp", "shared", "free")
+}
 # A long question: the simulator echoes the prompt's tokens back, so an answer runs as long as it.
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon".split()
 LONG = " ".join(WORDS[i % len(WORDS)] for i in range(250))  # about 310 prompt tokens with the template
@@ -41,6 +44,9 @@ def quota_file(redis_url: str, **more) -> dict:
             {"name": "cut", "key": KEYS["cut"], "tokens_per_day": 500},
             {"name": "msgcut", "key": KEYS["msgcut"], "tokens_per_day": 500, "models": {"qwen3": {"tokens_per_minute": 100_000}}},
             {"name": "respcut", "key": KEYS["respcut"], "tokens_per_day": 500},
+            {"name": "msgbuf", "key": KEYS["msgbuf"], "tokens_per_day": 500},
+            {"name": "bufchat", "key": KEYS["bufchat"], "tokens_per_day": 500},
+            {"name": "bufresp", "key": KEYS["bufresp"], "tokens_per_day": 500},
             {"name": "shared", "key": KEYS["shared"], "tokens_per_day": 3000},
             {"name": "free", "key": KEYS["free"]},
         ],
@@ -242,12 +248,67 @@ def test_a_messages_stream_ends_at_the_budget_with_max_tokens_as_its_stop_reason
         spent = final.usage.input_tokens + final.usage.output_tokens
         assert 500 - 4 <= spent <= 500 + 4
         wait_for(lambda: f.show("msgcut")["scopes"]["*"]["tokens_used_today"] == spent, "settled", timeout=10)
-        # Not streamed: the whole answer is charged as it came (no cut inside a buffered answer), and
-        # the next one is refused.
-        with pytest.raises(anthropic.RateLimitError):
+        # Metered, not streamed, within the budget: the answer of a key without limits (collected
+        # from a producer stream against one JSON answer).
+        (metered, streamed), (plain, buffered) = answer_json(f, "messages", "day"), answer_json(f, "messages", "free")
+        assert streamed and not buffered
+        assert metered == plain
+        with pytest.raises(anthropic.RateLimitError):  # nothing left today
             client.messages.create(model="qwen3", max_tokens=100, messages=ask())
+        # Not streamed: the producer streams to the filter, which ends the one answer at the budget.
+        answer = f.anthropic("msgbuf").messages.create(model="qwen3", max_tokens=2000, messages=ask(LONG))
+        assert answer.stop_reason == "max_tokens" and answer.content[0].text
+        spent = answer.usage.input_tokens + answer.usage.output_tokens
+        assert 500 - 4 <= spent <= 500 + 4
+        wait_for(lambda: f.show("msgbuf")["scopes"]["*"]["tokens_used_today"] == spent, "settled", timeout=10)
     finally:
         f.stop()
+
+
+def test_an_answer_not_streamed_ends_at_the_budget_as_a_length_cut(fleet):
+    """A request not streamed that names no max_tokens may outrun its reservation: the producer
+    streams it to the filter, which ends the one JSON answer at the budget (chat: finish_reason
+    length; Responses: incomplete, max_output_tokens), charges what it holds and aborts the producer."""
+    aborted = len(fleet.aborted())
+    answer = fleet.openai("bufchat").chat.completions.create(model="qwen3", messages=ask(LONG))
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.content
+    assert 500 - 4 <= answer.usage.total_tokens <= 500 + 4
+    assert answer.usage.prompt_tokens < 500 < answer.usage.prompt_tokens * 2  # the echo would run longer
+    wait_for(lambda: fleet.show("bufchat")["scopes"]["*"]["tokens_used_today"] == answer.usage.total_tokens,
+             "settled", timeout=10)
+    assert wait_for(lambda: len(fleet.aborted()) > aborted, "the producer request aborted", timeout=10)
+    response = fleet.openai("bufresp").responses.create(model="qwen3", input=LONG)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text
+    assert 500 - 4 <= response.usage.total_tokens <= 500 + 4
+    wait_for(lambda: fleet.show("bufresp")["scopes"]["*"]["tokens_used_today"] == response.usage.total_tokens,
+             "settled", timeout=10)
+
+
+def answer_json(fleet: Fleet, api: str, key: str) -> tuple[dict, bool]:
+    """One answer not streamed, as JSON without what differs between two answers (ids, times), and
+    whether the producer was asked for a stream."""
+    if api == "messages":  # Messages always names max_tokens: more than a max_reservation of 16
+        raw = fleet.anthropic(key).messages.with_raw_response.create(model="qwen3", max_tokens=300, messages=ask(LONG))
+    elif api == "responses":
+        raw = fleet.openai(key).responses.with_raw_response.create(model="qwen3", input="Say hello.", store=False)
+    else:
+        raw = fleet.openai(key).chat.completions.with_raw_response.create(model="qwen3", messages=ask("Say hello."))
+    data = json.loads(raw.http_response.text)
+    for field in ("id", "created", "created_at", "completed_at"):
+        data.pop(field, None)
+    for item in data.get("output") or ():
+        item.pop("id", None)
+    return data, httpx.get(fleet.sim_url + "/sim/requests").json()[-1]["stream"]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_an_answer_not_streamed_and_metered_is_the_answer_unmetered(fleet, api):
+    """The producer streams a metered answer (no max_tokens) to the filter, which collects it: the
+    client gets the same JSON as from the producer's one JSON answer (a key without limits)."""
+    (metered, streamed), (plain, buffered) = answer_json(fleet, api, "day"), answer_json(fleet, api, "free")
+    assert streamed and not buffered
+    assert metered == plain
 
 
 def test_two_filter_processes_never_let_one_key_past_its_budget(fleet):

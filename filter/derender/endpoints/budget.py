@@ -7,8 +7,10 @@ has these; its event loop (``_events``) holds the events."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..translate.collect import Collected
 from ..translate.sse import SSEError
 from ..translate.stream import ChatStream
 
@@ -35,20 +37,32 @@ class Budgeted:
 
         def _abort(self, why: str) -> None: ...
 
-    def resume(self) -> bytes:
+        async def _collected(self, collected: Collected, payloads: Callable[[], list[bytes]], end: bool) -> bytes: ...
+
+    async def resume(self) -> bytes:
         """The events ``held`` at the token limit, now that it is higher."""
         stream, held = self.stream, self.held
         self.held = None
-        if held is None or not isinstance(stream, ChatStream):
+        if held is None:
+            return b""
+        if isinstance(stream, Collected):
+            return await self._collected(stream, lambda: held[0], held[2])
+        if not isinstance(stream, ChatStream):
             return b""
         return self._events(stream, *held)
 
-    def cut(self) -> bytes:
-        """End the stream at the tokens sent so far, as the engine ends one at ``max_tokens``: every
-        unfinished choice finishes with ``length`` (Messages: ``max_tokens``; Responses: incomplete),
-        then usage and the end, all through the stream as the producer's own events would go; the
-        producer's request is aborted. (A key's budget ran out: ``ops.quota``.)"""
+    async def cut(self) -> bytes:
+        """End the answer at the tokens generated so far, as the engine ends one at ``max_tokens``:
+        every unfinished choice finishes with ``length`` (Messages: ``max_tokens``; Responses:
+        incomplete), then usage and the end, all through the stream as the producer's own events
+        would go (a non-streaming answer: the one JSON answer of those tokens); the producer's
+        request is aborted. (A key's budget ran out: ``ops.quota``.)"""
         stream = self.stream
+        if isinstance(stream, Collected) and not stream.finished:
+            held, self.held = self.held, None
+            stream.cut()
+            self._abort("quota")
+            return await self._collected(stream, list, True if held is None else held[2])
         if not isinstance(stream, ChatStream) or stream.finished:
             return b""
         rid = stream.producer_request_id
@@ -73,14 +87,3 @@ class Budgeted:
         out.append(stream.feed(b"[DONE]")[0])
         self._abort("quota")
         return self._out(stream, out)
-
-
-def has_tokens(payload: bytes) -> bool:
-    """Whether a producer event carries completion tokens (at the token limit only: rare)."""
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return True
-    return isinstance(event, dict) and any(
-        c.get("token_ids") for c in event.get("choices") or () if isinstance(c, dict)
-    )

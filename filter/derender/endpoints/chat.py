@@ -25,9 +25,9 @@ from ..translate.errors import INCOMPLETE, HTTPError, from_exception
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat
 from ..translate.sse import SSEDecoder, SSEError
-from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output
+from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output, has_tokens
 from . import rendertier
-from .budget import Budgeted, has_tokens
+from .budget import Budgeted
 from .lifecycle import ProducerExchange, ms, producer_failure
 
 log = logging.getLogger("derender.chat")
@@ -233,13 +233,23 @@ class ChatExchange(Budgeted, ProducerExchange):
         self.client_reasons += [m.decode() for m in self.client_finish.findall(data)]
 
     async def _collect(self, collected: Collected, chunk: bytes, end: bool) -> bytes:
-        """Non-streaming with stop strings: nothing until the generation is over, then the one JSON answer."""
+        """Non-streaming with stop strings (or a key's budget): nothing until the generation is over,
+        then the one JSON answer."""
+        return await self._collected(collected, lambda: collected.payloads(chunk, end), end)
+
+    async def _collected(self, collected: Collected, payloads: Callable[[], list[bytes]], end: bool) -> bytes:
+        """``_collect``'s events (``payloads()``); at ``token_limit`` completion tokens the rest wait
+        in ``held`` (the key's budget decides: ``resume`` or ``cut``)."""
         assert self.rendered is not None
         if collected.finished:
             return b""
         try:
-            if collected.feed(chunk, end):
+            abort, rest = collected.events(payloads(), self.token_limit)
+            if abort:
                 self._abort("stop string")
+            if rest is not None:
+                self.held = (rest, None, end)
+                return b""
             if collected.final is not None:
                 out = await self.full_response(self.model, self.rendered, collected.final)
                 collected.whole = True

@@ -199,6 +199,15 @@ class ModelExchange:
         if decision is None:
             if account.active and hasattr(self.inner, "token_limit"):
                 self.inner.token_limit = account.covered  # past it, the stream waits for the budget
+                if (
+                    rendered is not None
+                    and not rendered.collect
+                    and not rendered.stream
+                    and completion < n * (most or 0)
+                ):
+                    # One JSON answer that may outrun what is reserved: the producer streams it to
+                    # the filter, which can end it at the budget.
+                    rewrite.body = rendered.as_stream(self.inner.model)  # type: ignore[attr-defined]
             return None
         self.account = None  # nothing reserved: nothing to settle
         self.inner.client_status = 429  # type: ignore[attr-defined]  # the request log's status
@@ -224,11 +233,11 @@ class ModelExchange:
             # The stream reached the tokens its reservation covers: more if the budget has them.
             if await account.extend(inner.stream.completion_tokens + 1):
                 inner.token_limit = account.covered
-                out += inner.resume()
+                out += await inner.resume()
             else:
                 # The budget ends the stream here, as max_tokens would have.
                 metrics.QUOTA_CUTS.labels(account.ident).inc()
-                out += inner.cut()
+                out += await inner.cut()
         return out
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:

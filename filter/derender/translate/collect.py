@@ -23,7 +23,7 @@ from .model import Model
 from .outputs import ProducerError
 from .render import Rendered
 from .sse import SSEDecoder, SSEError
-from .stream import choice_outputs, producer_error_event, step_event
+from .stream import choice_outputs, has_tokens, producer_error_event, step_event
 
 
 class Collected:
@@ -38,24 +38,44 @@ class Collected:
         self.whole = False  # that answer was the final JSON
         self._sse = SSEDecoder()
 
-    def feed(self, chunk: bytes, end: bool) -> bool:
-        """One body chunk; True if the producer must be aborted now (a stop string ended the generation).
+    def payloads(self, chunk: bytes, end: bool) -> list[bytes]:
+        """One body chunk's events.
 
-        Raises ``HTTPError``: 502 for a stream the filter cannot use, the
-        producer's own status for an error event.
-        """
+        Raises ``HTTPError`` 502 for a stream the filter cannot use (the events before the fault
+        taken first)."""
         try:
-            payloads = self._sse.feed(chunk) + (self._sse.close() if end else [])
+            return self._sse.feed(chunk) + (self._sse.close() if end else [])
         except SSEError as exc:
             for payload in exc.payloads:
                 self._event(payload)
             raise HTTPError(502, f"invalid producer stream: {exc}") from None
+
+    def events(self, payloads: list[bytes], token_limit: int | None = None) -> tuple[bool, list[bytes] | None]:
+        """The producer's events: (True if the producer must be aborted now, a stop string having
+        ended the generation; the events from the first that carries tokens past ``token_limit``
+        completion tokens, not taken (a key's budget decides: ``ops.quota``), or None).
+
+        Raises ``HTTPError``: 502 for an event the filter cannot use, the producer's own status for
+        an error event."""
         abort = False
-        for payload in payloads:
-            abort |= self._event(payload)
+        for k, payload in enumerate(payloads):
             if self.outputs.done:
                 break
-        return abort
+            if token_limit is not None and self.completion_tokens >= token_limit and has_tokens(payload):
+                return abort, payloads[k:]
+            abort |= self._event(payload)
+        return abort, None
+
+    def cut(self) -> None:
+        """End every unfinished choice here, as the engine ends one at ``max_tokens`` (``length``)."""
+        for index, done in enumerate(self.outputs.finished):
+            if not done:
+                event: dict[str, Any] = {
+                    "request_id": self.producer_request_id,
+                    "usage": None,
+                    "choices": [{"index": index, "finish_reason": "length", "stop_reason": None, "token_ids": []}],
+                }
+                self._event(json.dumps(event).encode())
 
     def _event(self, payload: bytes) -> bool:
         if payload == b"[DONE]" or self.outputs.done:

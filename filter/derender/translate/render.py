@@ -34,6 +34,7 @@ class Rendered:
     chat_template_kwargs: dict[str, Any]
     conversation: list[Any]  # the rendered messages; only needed for ``echo``
     media: tuple[tuple[str, int, int], ...] = ()  # the images: (content hash, placeholder offset, length)
+    metered: bool = False  # non-streaming under a key's budget it may outrun: collected (``as_stream``)
 
     @property
     def stream(self) -> bool:
@@ -41,8 +42,17 @@ class Rendered:
 
     @property
     def collect(self) -> bool:
-        """Non-streaming with stop strings: the producer streams, the filter answers once (``collect``)."""
-        return not self.stream and bool(self.params.stop)
+        """Non-streaming with stop strings (or ``metered``): the producer streams, the filter answers
+        once (``collect``)."""
+        return not self.stream and (bool(self.params.stop) or self.metered)
+
+    def as_stream(self, model: Model) -> bytes:
+        """``metered``: the producer body of this non-streaming request asked as a stream, so that the
+        filter sees its tokens as they come and can end the answer at the key's budget."""
+        self.metered = True
+        body = orjson.loads(self.body)
+        body["stream"] = True
+        return _dumps(_stream_options(body, model.prompt_tokens_details, model.stream_interval))
 
 
 def parse_chat_request(model: Model, raw: bytes) -> Any:
@@ -125,12 +135,21 @@ def producer_body(generate_request: Any, usage: bool = False, stream_interval: i
             update["stream"] = True
         generate_request = generate_request.model_copy(update=update)
     body = generate_request.model_dump()
-    if usage and body.get("stream"):
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     # vLLM serializes SamplingParams without fields equal to their defaults, and a
     # producer fills a missing max_tokens from max_model_len: an explicit 16 (the
     # default) would be lost. The coupled server honours it, so send it always.
     body["sampling_params"]["max_tokens"] = params.max_tokens
-    if stream_interval > 1 and body.get("stream"):
-        body["sampling_params"]["stream_interval"] = stream_interval
+    return _dumps(_stream_options(body, usage, stream_interval))
+
+
+def _stream_options(body: dict[str, Any], usage: bool, stream_interval: int) -> dict[str, Any]:
+    if body.get("stream"):
+        if usage:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if stream_interval > 1:
+            body["sampling_params"]["stream_interval"] = stream_interval
+    return body
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)

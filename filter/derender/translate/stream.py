@@ -287,6 +287,17 @@ def step_event(outputs: ChoiceOutputs, event: dict[str, Any]) -> tuple[list[Any]
     return results, abort, tokens
 
 
+def has_tokens(payload: bytes) -> bool:
+    """Whether a producer event carries completion tokens (asked at a key's token limit only: rare)."""
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return True
+    return isinstance(event, dict) and any(
+        c.get("token_ids") for c in event.get("choices") or () if isinstance(c, dict)
+    )
+
+
 def cached_tokens(event: Any) -> int | None:
     """The prompt tokens a producer found in its prefix cache, if its usage says
     (``vllm serve --enable-prompt-tokens-details``)."""

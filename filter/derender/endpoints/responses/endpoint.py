@@ -261,10 +261,17 @@ class ResponsesExchange(ChatExchange):
         return rewrite
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        out = await super().response_chunk(chunk, end)
-        if isinstance(self.stream, ResponsesStream):
-            out += await self.stream.flush()
-        return out
+        return await super().response_chunk(chunk, end) + await self._flush()
+
+    async def resume(self) -> bytes:
+        return await super().resume() + await self._flush()
+
+    async def cut(self) -> bytes:
+        return await super().cut() + await self._flush()
+
+    async def _flush(self) -> bytes:
+        """What vLLM's task wrote for the outputs the stream took (``ResponsesStream.flush``)."""
+        return await self.stream.flush() if isinstance(self.stream, ResponsesStream) else b""
 
     def response_headers(self, status: int, upstream: str | None = None):
         start = super().response_headers(status, upstream)
