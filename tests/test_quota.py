@@ -55,9 +55,10 @@ def quota_file(redis_url: str, **more) -> dict:
 
 
 class Fleet:
-    """Two filter processes (each behind its own Envoy) on one simulator and one Redis."""
+    """Two filter processes (each behind its own Envoy) on one simulator and one Redis (the quota
+    file's, and the Responses store's if ``store``)."""
 
-    def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, **more) -> None:
+    def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, store: bool = True, **more) -> None:
         self.redis = redis
         self.path = tmp_path_factory.mktemp("quota") / "quota.yaml"
         self.path.write_text(yaml.safe_dump(quota_file(redis.url, **more)))
@@ -66,14 +67,26 @@ class Fleet:
         self.urls: list[str] = []
         self.metrics_ports: list[int] = []
         keys = [flag for key in [*KEYS.values(), "sk-unlisted"] for flag in ("--api-key", key)]
+        self.flags: list[list[str]] = []
+        self.ports: list[int] = []
         for _ in range(filters):
             self.metrics_ports.append(free_port())
             flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys]
-            flt, port = start_filter(["--model", qwen3_dir, *FLAGS, *flags], self.sim_url)
+            self.flags.append(["--model", qwen3_dir, *FLAGS, *flags, *(["--responses-store", redis.url] * store)])
+            flt, port = start_filter(self.flags[-1], self.sim_url)
             envoy, url = start_envoy(port, self.sim_url)
             self.procs += [flt, envoy]
+            self.ports.append(port)
             self.urls.append(url)
-        self.filters = self.procs[1::2]
+
+    @property
+    def filters(self) -> list:
+        return self.procs[1::2]
+
+    def restart(self, which: int = 0) -> None:
+        """Stop filter process ``which`` and start a new one in its place (its Envoy stays)."""
+        self.filters[which].stop()
+        self.procs[1 + 2 * which], _ = start_filter(self.flags[which], self.sim_url, port=self.ports[which])
 
     def openai(self, key: str, which: int = 0) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.urls[which] + "/v1", api_key=KEYS.get(key, key), max_retries=0)
@@ -226,6 +239,20 @@ def test_a_responses_stream_ends_at_the_budget_as_incomplete(fleet):
     wait_for(lambda: fleet.show("respcut")["scopes"]["*"]["tokens_used_today"] == usage.total_tokens, "settled", timeout=10)
 
 
+def test_a_turn_after_a_stored_response_is_charged_its_whole_conversation(fleet):
+    """``previous_response_id``: the turn's prompt is the stored conversation and its own input, all
+    of it charged, as the usage the client read says."""
+    client = fleet.openai("day")
+    before = fleet.show("day")["scopes"]["*"]["tokens_used_today"]
+    first = client.responses.create(model="qwen3", input="Name a colour.", max_output_tokens=40)
+    second = client.responses.create(model="qwen3", input="And another.", previous_response_id=first.id,
+                                     max_output_tokens=40)
+    assert second.usage.input_tokens > first.usage.total_tokens  # the first turn is in its prompt
+    spent = first.usage.total_tokens + second.usage.total_tokens
+    wait_for(lambda: fleet.show("day")["scopes"]["*"]["tokens_used_today"] == before + spent,
+             "settled to both turns' usage", timeout=10)
+
+
 def test_n_choices_are_all_counted(fleet):
     before = fleet.show("day")["scopes"]["*"]["tokens_used_today"]
     answer = fleet.openai("day").chat.completions.create(model="qwen3", messages=ask("Say hi."), max_tokens=6, n=3)
@@ -255,6 +282,17 @@ def test_a_messages_stream_ends_at_the_budget_with_max_tokens_as_its_stop_reason
         assert metered == plain
         with pytest.raises(anthropic.RateLimitError):  # nothing left today
             client.messages.create(model="qwen3", max_tokens=100, messages=ask())
+        # The counts are Redis's: a new filter process in the old one's place holds to them.
+        def counts() -> dict:
+            return {name: (scope["tokens_used_today"], scope["tokens_remaining"])
+                    for name, scope in f.show("msgcut")["scopes"].items()}
+
+        shown = counts()
+        f.restart()
+        assert counts() == shown
+        with pytest.raises(anthropic.RateLimitError) as refused:
+            client.messages.create(model="qwen3", max_tokens=100, messages=ask())
+        assert "tokens per day" in refused.value.body["error"]["message"]
         # Not streamed: the producer streams to the filter, which ends the one answer at the budget.
         answer = f.anthropic("msgbuf").messages.create(model="qwen3", max_tokens=2000, messages=ask(LONG))
         assert answer.stop_reason == "max_tokens" and answer.content[0].text
@@ -342,7 +380,7 @@ def test_two_filter_processes_never_let_one_key_past_its_budget(fleet):
 @pytest.mark.parametrize("mode", ["closed", "open"])
 def test_redis_away_fails_as_the_file_says(qwen3_dir, tmp_path_factory, mode):
     gone = Redis()  # never started: its port refuses
-    f = Fleet(qwen3_dir, gone, tmp_path_factory, filters=1, on_redis_error=mode)
+    f = Fleet(qwen3_dir, gone, tmp_path_factory, filters=1, store=False, on_redis_error=mode)
     try:
         client = f.openai("day")
         if mode == "closed":
@@ -356,6 +394,32 @@ def test_redis_away_fails_as_the_file_says(qwen3_dir, tmp_path_factory, mode):
         assert f.counted("derender_quota_redis_errors_total", outcome=mode) >= 1
     finally:
         f.stop()
+
+
+def test_a_reload_keeps_the_redis_client_or_closes_the_old_one_once_its_requests_settle(redis_server):
+    """SIGHUP's new budgets (``Router.reload_quotas``): the same Redis keeps its one client; another
+    Redis leaves the old client to the requests admitted on it, closed when the last has settled."""
+    entry = {"keys": [{"name": "a", "key": "sk-a", "tokens_per_day": 1000}]}
+    other = redis_server.url.rsplit("/", 1)[0] + "/1"
+
+    async def run() -> None:
+        first = quota.Quotas(quota.parse({"redis": redis_server.url, **entry}, "q.yaml"))
+        account = quota.Account.of(first, {"authorization": "Bearer sk-a"})
+        assert account is not None and await account.reserve(None, 10, 20) is None
+        same = quota.Quotas(quota.parse({"redis": redis_server.url, **entry}, "q.yaml"))
+        same.succeed(first)
+        assert same.connection is first.connection and first.connection.client is not None
+        moved = quota.Quotas(quota.parse({"redis": other, **entry}, "q.yaml"))
+        moved.succeed(same)
+        assert moved.connection is not first.connection
+        assert first.connection.client is not None  # the admitted request has not settled yet
+        await account.settle(5)
+        assert first.connection.client is None
+        assert (await quota.show(moved.config, "sk-a"))["scopes"]["*"]["tokens_used_today"] == 0  # another db
+        assert (await quota.show(first.config, "sk-a"))["scopes"]["*"]["tokens_used_today"] == 15
+        await moved.close()
+
+    asyncio.run(run())
 
 
 def test_sighup_reloads_the_file_without_dropping_streams(fleet):

@@ -305,10 +305,16 @@ class Router:
         """SIGHUP: the ``Settings``' quota file again; admitted requests settle on the budgets they
         began with. A file that does not load now changes nothing."""
         try:
-            self.quotas = quota.configured(settings)
-            log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
+            quotas = quota.configured(settings)
         except quota.QuotaConfigError as exc:
             log.error("SIGHUP: the quota file is not reloaded: %s", exc)
+            return
+        if quotas is not None:
+            quotas.succeed(self.quotas)
+        elif self.quotas is not None:
+            self.quotas.connection.retire()
+        self.quotas = quotas
+        log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
 
     def backend_for(self, body: bytes) -> Backend:
         """The backend of the body's ``model``; a body vLLM will refuse goes to the default one."""

@@ -9,7 +9,7 @@ import os
 
 from .. import metrics
 from .config import Key, Limits
-from .store import STORE_ERRORS, Decision, Quotas
+from .store import STORE_ERRORS, Connection, Decision, Quotas
 
 log = logging.getLogger("derender.quota")
 
@@ -37,6 +37,7 @@ class Account:
         self.prompt_tokens = 0
         self.decision: Decision | None = None  # the reservation's: for the response's headers
         self.active = False  # Redis holds a reservation to settle
+        self.connection: Connection | None = None  # the Redis client it was reserved on
 
     async def reserve(self, model: str | None, prompt_tokens: int, completion_tokens: int) -> Decision | None:
         """Reserve the prompt and ``completion_tokens``; the refusal, or None (allowed). Raises
@@ -56,6 +57,8 @@ class Account:
             metrics.QUOTA_REFUSALS.labels(self.ident, decision.limit).inc()
             return decision
         self.active = True
+        self.connection = self.quotas.connection  # settled on the Redis it was reserved on
+        self.connection.users += 1
         self.reserved, self.covered = amount, completion_tokens
         return None
 
@@ -103,6 +106,9 @@ class Account:
             await self.quotas.run(self.scopes, "settle", used - self.reserved, self.stream_id)
         except STORE_ERRORS as exc:
             log.warning("quota: could not settle %s's request (%s); its reservation stands", self.ident, exc)
+        finally:
+            if self.connection is not None:
+                await self.connection.released()
 
 
 def _duration(ms: int) -> str:

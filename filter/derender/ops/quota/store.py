@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import datetime as dt
 import math
@@ -162,21 +163,63 @@ def _periods(now: float) -> tuple[str, str, int, int]:
     )
 
 
+class Connection:
+    """One Redis client for the quota script (made at first use), shared by the ``Quotas`` of every
+    reload that names the same Redis; one a reload leaves (``retire``) closes once the requests
+    admitted on it (``users``) have settled."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client: Any = None
+        self.script: Any = None
+        self.users = 0  # reservations on it not yet settled
+        self.retired = False
+
+    def ready(self) -> Any:
+        if self.client is None:
+            import redis.asyncio as aioredis
+
+            self.client = aioredis.Redis.from_url(self.url, socket_timeout=2, socket_connect_timeout=2)
+            self.script = self.client.register_script(SCRIPT)
+        return self.script
+
+    def retire(self) -> None:
+        self.retired = True
+        if self.users == 0:
+            _CLOSING.add(task := asyncio.get_running_loop().create_task(self.close()))
+            task.add_done_callback(_CLOSING.discard)
+
+    async def released(self) -> None:
+        """A reservation on it has settled."""
+        self.users -= 1
+        if self.retired and self.users == 0:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.aclose()
+
+
+_CLOSING: set[asyncio.Task] = set()  # retired clients being closed (a reference keeps each task alive)
+
+
 class Quotas:
     """The quota file's keys and the Redis that holds their counts (one client per worker)."""
 
     def __init__(self, config: QuotaConfig) -> None:
         self.config = config
-        self._client: Any = None
-        self._script: Any = None
+        self.connection = Connection(config.redis)
 
-    def _redis(self) -> Any:
-        if self._client is None:
-            import redis.asyncio as aioredis
-
-            self._client = aioredis.Redis.from_url(self.config.redis, socket_timeout=2, socket_connect_timeout=2)
-            self._script = self._client.register_script(SCRIPT)
-        return self._client
+    def succeed(self, old: Quotas | None) -> None:
+        """These budgets replace ``old``'s (SIGHUP): the same Redis keeps its client; another Redis
+        retires ``old``'s, closed once the requests admitted on it have settled."""
+        if old is None or old is self:
+            return
+        if old.connection.url == self.config.redis:
+            self.connection = old.connection
+        else:
+            old.connection.retire()
 
     def key_for(self, headers: dict[str, str]) -> tuple[str, Key] | None:
         """(the id its counters are kept under, the key's entry) for a request's API key, or None when
@@ -203,7 +246,7 @@ class Quotas:
 
     async def run(self, scopes: list[tuple[str, Limits]], mode: str, tokens: float, stream_id: str) -> Decision:
         """One script call over ``scopes``; raises ``redis.RedisError`` when Redis cannot answer."""
-        self._redis()
+        script = self.connection.ready()
         now = time.time()
         day, month, to_day, to_month = _periods(now)
         keys: list[str] = []
@@ -214,12 +257,10 @@ class Quotas:
                 f"{float(tokens)!r},{limits.tokens_per_minute},{limits.bucket},{limits.tokens_per_day},"
                 f"{limits.tokens_per_month},{limits.requests_per_minute},{limits.concurrent_streams}"
             )
-        return Decision.of(await self._script(keys=keys, args=args))
+        return Decision.of(await script(keys=keys, args=args))
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self.connection.close()
 
 
 async def show(config: QuotaConfig, secret_or_name: str) -> dict[str, Any]:
