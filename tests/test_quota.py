@@ -21,6 +21,7 @@ from derender.ops import quota
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent_turns import QUESTION, WEATHER_FUNCTION, WEATHER_TOOL, tool_call_answer
 from stack import DERENDER, Redis, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "1"]
@@ -58,7 +59,8 @@ class Fleet:
     """Two filter processes (each behind its own Envoy) on one simulator and one Redis (the quota
     file's, and the Responses store's if ``store``)."""
 
-    def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, store: bool = True, **more) -> None:
+    def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, store: bool = True,
+                 flags: tuple[str, ...] = (), **more) -> None:
         self.redis = redis
         self.path = tmp_path_factory.mktemp("quota") / "quota.yaml"
         self.path.write_text(yaml.safe_dump(quota_file(redis.url, **more)))
@@ -71,7 +73,7 @@ class Fleet:
         self.ports: list[int] = []
         for _ in range(filters):
             self.metrics_ports.append(free_port())
-            flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys]
+            flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys, *flags]
             self.flags.append(["--model", qwen3_dir, *FLAGS, *flags, *(["--responses-store", redis.url] * store)])
             flt, port = start_filter(self.flags[-1], self.sim_url)
             envoy, url = start_envoy(port, self.sim_url)
@@ -251,6 +253,35 @@ def test_a_turn_after_a_stored_response_is_charged_its_whole_conversation(fleet)
     spent = first.usage.total_tokens + second.usage.total_tokens
     wait_for(lambda: fleet.show("day")["scopes"]["*"]["tokens_used_today"] == before + spent,
              "settled to both turns' usage", timeout=10)
+
+
+def test_reasoning_and_tool_calls_are_counted(qwen3_dir, redis_server, tmp_path_factory, qwen3_tokenizer):
+    """A thinking model's reasoning and a tool call (parsed, Qwen3 + hermes) are completion tokens
+    like any: chat streamed and Messages not, each settled to the usage its client read."""
+    parsers = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
+    f = Fleet(qwen3_dir, redis_server, tmp_path_factory, filters=1, flags=parsers)
+    try:
+        script = f.path.parent / "script.jsonl"
+        script.write_text(json.dumps({"token_ids": tool_call_answer(qwen3_tokenizer)}) + "\n")
+        assert httpx.post(f.sim_url + "/sim/config", json={"mode": "script", "script": str(script)}).status_code == 200
+        used = f.show("day")["scopes"]["*"]["tokens_used_today"]
+        chunks = list(f.openai("day").chat.completions.create(
+            model="qwen3", messages=ask(QUESTION), tools=[{"type": "function", "function": {
+                k: v for k, v in WEATHER_FUNCTION.items() if k != "type"}}],
+            stream=True, stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert any(getattr(d, "reasoning", None) for d in deltas) and any(d.tool_calls for d in deltas)
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == len(tool_call_answer(qwen3_tokenizer))
+        used += usage.total_tokens
+        wait_for(lambda: f.show("day")["scopes"]["*"]["tokens_used_today"] == used, "the chat stream settled", timeout=10)
+        message = f.anthropic("day").messages.create(model="qwen3", max_tokens=200, messages=ask(QUESTION),
+                                                     tools=[WEATHER_TOOL])
+        assert [b.type for b in message.content] == ["thinking", "tool_use"]
+        used += message.usage.input_tokens + message.usage.output_tokens
+        wait_for(lambda: f.show("day")["scopes"]["*"]["tokens_used_today"] == used, "the message settled", timeout=10)
+    finally:
+        f.stop()
 
 
 def test_n_choices_are_all_counted(fleet):
