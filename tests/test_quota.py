@@ -60,7 +60,7 @@ class Fleet:
     file's, and the Responses store's if ``store``)."""
 
     def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, store: bool = True,
-                 flags: tuple[str, ...] = (), **more) -> None:
+                 extra: tuple[str, ...] = (), **more) -> None:
         self.redis = redis
         self.path = tmp_path_factory.mktemp("quota") / "quota.yaml"
         self.path.write_text(yaml.safe_dump(quota_file(redis.url, **more)))
@@ -73,7 +73,7 @@ class Fleet:
         self.ports: list[int] = []
         for _ in range(filters):
             self.metrics_ports.append(free_port())
-            flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys, *flags]
+            flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys, *extra]
             self.flags.append(["--model", qwen3_dir, *FLAGS, *flags, *(["--responses-store", redis.url] * store)])
             flt, port = start_filter(self.flags[-1], self.sim_url)
             envoy, url = start_envoy(port, self.sim_url)
@@ -259,7 +259,7 @@ def test_reasoning_and_tool_calls_are_counted(qwen3_dir, redis_server, tmp_path_
     """A thinking model's reasoning and a tool call (parsed, Qwen3 + hermes) are completion tokens
     like any: chat streamed and Messages not, each settled to the usage its client read."""
     parsers = ("--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice")
-    f = Fleet(qwen3_dir, redis_server, tmp_path_factory, filters=1, flags=parsers)
+    f = Fleet(qwen3_dir, redis_server, tmp_path_factory, filters=1, extra=parsers)
     try:
         script = f.path.parent / "script.jsonl"
         script.write_text(json.dumps({"token_ids": tool_call_answer(qwen3_tokenizer)}) + "\n")
