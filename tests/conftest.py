@@ -12,7 +12,19 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from derender.ops import assets  # noqa: E402
 
+import stack  # noqa: E402
 from stack import Redis, Stack  # noqa: E402
+
+
+# -- the fork server of ``derender`` processes (``tests/forkserver.py``): its imports start now, while
+# the first tests run.
+def pytest_sessionstart(session):
+    stack.start_forkserver()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if stack.FORKS is not None:
+        stack.FORKS.stop()
 
 # -- hypothesis ------------------------------------------------------------------------------------
 # One profile wherever the suite runs. Hypothesis loads a "ci" profile of its own when it sees a CI

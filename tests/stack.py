@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import forkserver
 import yaml
 from derender.ops import envoy_config
 from derender.ops.children import Child, free_port, http_ok, tcp_open
@@ -52,10 +53,16 @@ def wait_for(check, what: str, timeout: float = 20.0):
 
 
 class Proc(Child):
-    """A child process of a test, its output in a log file of its own under ``LOGS``."""
+    """A child process of a test, its output in a log file of its own under ``LOGS``; a ``derender``
+    command is forked by the session's fork server (``forkserver``: its imports done once)."""
 
     def __init__(self, name: str, argv: list[str]) -> None:
         super().__init__(name, argv, log=LOGS / f"{name}-{os.getpid()}-{time.time_ns()}.log")
+
+    def _spawn(self, out, env: dict[str, str]):
+        if FORKS is None or self.argv[: len(DERENDER)] != DERENDER or self.log is None:
+            return super()._spawn(out, env)
+        return FORKS.spawn(self.argv[len(DERENDER):], env, self.log)
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -66,6 +73,13 @@ class Proc(Child):
 
 
 DERENDER = [sys.executable, "-m", "derender.cli"]
+FORKS = None if os.environ.get("DERENDER_TEST_FORKSERVER") == "0" else forkserver.Server()
+
+
+def start_forkserver() -> None:
+    """Start the session's fork server now (its imports take a few seconds), if it is used."""
+    if FORKS is not None and FORKS.popen is None:
+        FORKS.start(LOGS / f"forkserver-{os.getpid()}-{time.time_ns()}.log")
 
 
 def start_sim(model_dir: str, *flags: str) -> tuple[Proc, str]:

@@ -9,20 +9,45 @@ from __future__ import annotations
 
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+_HANDED_OUT: deque[int] = deque(maxlen=256)  # the ports ``free_port`` gave lately
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, for a program to bind. Drawn below the kernel's ephemeral
+    range (``ip_local_port_range``): a port from it, free now, can be taken by any outgoing
+    connection before that program binds it. Never one this process handed out lately."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(10000, low) if low > 12000 else 0
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+                port = s.getsockname()[1]
+        except OSError:
+            continue
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise OSError("no free loopback port found")
 
 
 def tcp_open(port: int) -> bool:
