@@ -1,16 +1,17 @@
 """A fork server for the tests' ``derender`` processes: torch, transformers and the web libraries
-imported once, each ``derender serve`` / ``sim`` / ``up`` a fork of it running the CLI's ``main``.
+and vLLM's serving modules imported once, each ``derender serve`` / ``sim`` / ``up`` a fork of it
+running the CLI's ``main``.
 
-A filter process spends about 5 s of CPU importing torch (its compiler packages with it) and
-transformers before it reads its flags; the suite starts about fifty. ``stack.Proc`` hands every
+A filter process spends about 8 s of CPU importing torch (its compiler packages with it),
+transformers and vLLM before it reads its flags; the suite starts about fifty. ``stack.Proc`` hands every
 ``derender`` command line to this server when it runs (``DERENDER_TEST_FORKSERVER=0``: never), and
 gets back a ``Forked``: what ``Child`` reads of a ``Popen`` (pid, poll, wait, signals, the exit code).
 
 The fork is the program as ``python -m derender.cli`` would run it: a session of its own, stdin
 from /dev/null, stdout and stderr to its log file, the caller's environment and directory, the CLI
-module run as ``__main__``, then Python's own exit (non-daemon threads joined, ``atexit``). Nothing of
-vLLM is imported here: it imports prometheus-client, whose value class is fixed at import by
-``PROMETHEUS_MULTIPROC_DIR``, which ``derender serve`` sets before it imports its metrics.
+module run as ``__main__``, then Python's own exit (non-daemon threads joined, ``atexit``). None of the filter's
+own modules is imported here (its metrics read ``PROMETHEUS_MULTIPROC_DIR`` at import, which ``derender
+serve`` sets; it also points prometheus-client, which vLLM imports, at it).
 
 Protocol, one Unix connection per process: the request as one JSON line (argv after ``-m
 derender.cli``, env, cwd, log); the reply ``{"pid": N}`` then, when it has ended, ``{"code": N}``
@@ -41,6 +42,12 @@ PRELOAD = (
     "openai",
     "yaml",
     "orjson",
+    "vllm.entrypoints.openai.chat_completion.serving",
+    "vllm.entrypoints.openai.completion.serving",
+    "vllm.entrypoints.openai.responses.serving",
+    "vllm.entrypoints.anthropic.serving",
+    "vllm.renderers.hf",
+    "vllm.tokenizers.hf",
 )
 
 
@@ -50,7 +57,7 @@ def serve(path: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    assert "prometheus_client" not in sys.modules, "the fork server must not import prometheus-client"
+    assert not any(name.startswith("derender.ops") for name in sys.modules), "the filter's own modules load in the fork"
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")

@@ -58,13 +58,16 @@ def _logging(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.metrics_port and args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # Forked workers pool their metrics in files; set before prometheus-client is imported.
+        # Forked workers pool their metrics in files: prometheus-client reads the variable at import.
         import atexit
         import shutil
         import tempfile
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder = tempfile.mkdtemp(prefix="derender-metrics-")
         atexit.register(shutil.rmtree, folder, True)  # the supervisor's exit (workers leave by os._exit)
+        values = sys.modules.get("prometheus_client.values")
+        if values is not None:  # imported already (vLLM imports it): its metrics made from now on pool too
+            values.ValueClass = values.get_value_class()
     from .extproc import workers
     from .ops import metrics
 
