@@ -65,8 +65,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder = tempfile.mkdtemp(prefix="derender-metrics-")
         atexit.register(shutil.rmtree, folder, True)  # the supervisor's exit (workers leave by os._exit)
-        values = sys.modules.get("prometheus_client.values")
-        if values is not None:  # imported already (vLLM imports it): its metrics made from now on pool too
+        if "prometheus_client.values" in sys.modules:  # imported already (vLLM imports it): pool from now on
+            from prometheus_client import values
+
             values.ValueClass = values.get_value_class()
     from .extproc import workers
     from .ops import metrics
