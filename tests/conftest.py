@@ -16,10 +16,12 @@ import stack  # noqa: E402
 from stack import Redis, Stack  # noqa: E402
 
 
-# -- the fork server of ``derender`` processes (``tests/forkserver.py``): its imports start now, while
-# the first tests run.
-def pytest_sessionstart(session):
-    stack.start_forkserver()
+# -- the fork server of ``derender`` processes (``tests/forkserver.py``). For the suite (or most of it)
+# its imports start at once, while the first tests run; a few files (``make check``'s, one file alone)
+# start it with their first ``derender`` process, if they have one.
+def pytest_collection_finish(session):
+    if len(session.items) > 300:
+        stack.start_forkserver()
 
 
 def pytest_sessionfinish(session, exitstatus):
