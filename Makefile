@@ -39,7 +39,7 @@ up: $(STAMP)
 test: $(STAMP) real-vllm redis-server lint
 	$(BIN)/python -m pytest $(TEST_ARGS)
 
-# The inner loop while working (about 2 minutes on 2 cores once set up): make lint, then the unit and
+# The inner loop while working (under 3 minutes on 2 cores once set up): make lint, then the unit and
 # in-process tests (no Envoy, no simulator process). make test stays the whole suite.
 CHECK_TESTS := tests/test_layout.py tests/test_vllm_seams.py tests/test_assets.py tests/test_prefix_key.py \
 	tests/test_detokenizer_priming.py tests/test_responses_session.py tests/test_responses.py \
