@@ -2,7 +2,7 @@
 reservation covers, the producer's next event waits (``held``) while ``router.ModelExchange`` asks
 the budget for more; then the stream goes on (``resume``) or ends there (``cut``), as a ``max_tokens``
 cut ends it, with the producer's request aborted. ``ChatExchange`` (and so every API built on it)
-has these; its event loop (``_events``) holds the events."""
+has these; its event loop (``_events``, or ``_collected`` for an answer not streamed) holds the events."""
 
 from __future__ import annotations
 

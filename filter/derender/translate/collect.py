@@ -8,7 +8,9 @@ streamed from the producer (``render.producer_body``); its events go, one
 engine step at a time as in vLLM's engine, into the same output state as a
 non-streaming answer's; once every choice has finished (at a stop string or
 at the producer) the producer request is aborted and the client gets the one
-JSON object vLLM would send. Its status went out with the producer's headers
+JSON object vLLM would send. A request under a key's token budget that may outrun what it
+reserved is collected the same way (``Rendered.metered``), so that the budget can end it
+(``events``' token limit, ``cut``). Its status went out with the producer's headers
 (200): an error that comes mid-stream reaches the client as an OpenAI error
 object with that status.
 """
