@@ -132,6 +132,9 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
     state: that event is written from a template of the converter's own serialization, with the
     text serialized as pydantic does, and the converter is not stepped. Whatever else the parser
     says (a block opening or closing, a tool call, several kinds at once) goes to the converter.
+    Which block is open is read from what the converter wrote, not from its running state: it
+    opens a block only with a ``content_block_start`` event and closes one only with a
+    ``content_block_stop`` event (``OpenBlock``).
     ``tests/test_lean.py`` runs this and vLLM's chain over generated streams: identical bytes."""
 
     continuous_usage = True  # vLLM asks for it on every Messages stream; its converter reads none per token
@@ -142,7 +145,7 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
         self._raw_error: BaseException | None = None
         self._conv: Any = None
         self._conv_step: Any = None  # the converter's suspended step while it waits for a chunk
-        self._block: Any = None  # the converter's open-block state (its ``_ActiveBlockState``)
+        self._block = OpenBlock()  # the converter's open block, as its events say
         self._templates: dict[tuple[str, int], tuple[bytes, bytes]] = {}
         self.templated = 0  # middle deltas written from a template, the converter not stepped
         self.converted = 0  # middle deltas the converter took
@@ -167,28 +170,16 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
                 return
             await WAIT
 
-    def _take_frame(self) -> Any:
-        frame = super()._take_frame()
-        if frame is not False:
-            try:
-                self._block = vllm_seams.converter_block_state(self._conv)
-            except vllm_seams.SeamChanged:
-                log.warning(
-                    "vLLM's message stream converter is not as expected: its path for this stream", exc_info=True
-                )
-                return False
-        return frame
-
     def _delta_bytes(self, delta: Any) -> bytes:
         block = self._block
         if not self._chunks and self._conv_step is not None and not delta.tool_calls:
             reasoning, content = delta.reasoning, delta.content
             if not reasoning and not content:
                 return b""  # the converter writes nothing for it
-            if reasoning and not content and block.block_type == "thinking":
-                return self._template("thinking", block.block_index, reasoning)
-            if content and not reasoning and block.block_type == "text":
-                return self._template("text", block.block_index, content)
+            if reasoning and not content and block.kind == "thinking":
+                return self._template("thinking", block.index, reasoning)
+            if content and not reasoning and block.kind == "text":
+                return self._template("text", block.index, content)
         self.converted += 1
         self._chunks.append(self._frame.chunk(delta))  # type: ignore[union-attr]  # the lean path: a _Frame
         return self._convert()
@@ -237,12 +228,39 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
             return b""  # waiting, with nothing to take
         step, self._conv_step = self._conv_step, None
         frames, self._conv_step = self._run_client_chain(self._conv, step)
+        self._block.follow(frames)
         return frames
 
     def _close(self) -> None:
         super()._close()
         step, self._conv_step = self._conv_step, None
         close_chain(step, self._conv)
+
+
+class OpenBlock:
+    """The content block vLLM's Messages converter has open, followed from the events it writes:
+    a ``content_block_start`` opens one (its index and its block's type), a ``content_block_stop``
+    closes it. The converter changes its open block with those events and no other way, so after
+    each of its steps the last such event says what is open (``kind`` None: no block)."""
+
+    __slots__ = ("index", "kind")
+
+    START = b"event: content_block_start\ndata: "
+    STOP = b"event: content_block_stop\n"
+
+    def __init__(self) -> None:
+        self.kind: str | None = None
+        self.index = -1
+
+    def follow(self, frames: bytes) -> None:
+        """Take the converter's ``frames`` of one step into account."""
+        start, stop = frames.rfind(self.START), frames.rfind(self.STOP)
+        if stop > start:
+            self.kind, self.index = None, -1
+        elif start >= 0:
+            data = frames[start + len(self.START) :].split(b"\n", 1)[0]
+            event = json.loads(data)
+            self.kind, self.index = event["content_block"]["type"], event["index"]
 
 
 @functools.cache

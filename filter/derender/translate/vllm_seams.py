@@ -156,36 +156,7 @@ def include_reasoning_tokens_details(serving_chat: Any) -> bool:
     return bool(serving_chat._include_reasoning_tokens_details)
 
 
-# -- the Messages converter (endpoints/messages.py) ----------------------------------------------------
-CONVERTER = "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.message_stream_converter"
-
-
-@_seam(
-    "messages converter state",
-    CONVERTER,
-    "the running converter's open-block state (state.block_type, state.block_index): middle deltas of an "
-    "open block are written from a template",
-)
-def _check_converter_state() -> None:
-    code = _code(CONVERTER)
-    _has_locals("messages converter state", code, ("state",))
-    block = _nested(code, "_ActiveBlockState")
-    init = _nested(block, "__init__")
-    for field in ("block_type", "block_index"):
-        _sets("messages converter state", init, field)
-
-
-def converter_block_state(converter: Any) -> Any:
-    """The open-block state of vLLM's running Messages converter ``converter``."""
-    try:
-        state = converter.ag_frame.f_locals["state"]
-    except (AttributeError, KeyError, TypeError) as exc:
-        raise SeamChanged("messages converter state", f"{type(exc).__name__}: {exc}") from None
-    if not hasattr(state, "block_type") or not hasattr(state, "block_index"):
-        raise SeamChanged("messages converter state", "the state has no block_type / block_index")
-    return state
-
-
+# -- the Messages request (endpoints/messages.py) ---------------------------------------------------
 @_seam(
     "messages inline system",
     "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.__init__",
