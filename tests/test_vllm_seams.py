@@ -56,27 +56,35 @@ def test_a_renamed_generator_local_names_its_seam(monkeypatch):
     asyncio.run(first())
 
 
-def test_a_closure_without_its_counter_names_its_seam():
-    def numbering(event):
-        return event
+def test_a_changed_responses_loop_names_its_seam(monkeypatch):
+    """The lean Responses path runs the filter's copy of vLLM 0.33.0's simple streaming loop: a vLLM
+    whose loop is not that one (same arguments, other lines) is caught by the check, by name."""
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
-    with pytest.raises(vllm_seams.SeamChanged, match="responses sequence number"):
-        vllm_seams.sequence_number_cell(numbering)
+    original = OpenAIServingResponses._process_simple_streaming_events
 
-    sequence_number = 7
+    async def loop(self, request, sampling_params, result_generator, context, model_name, tokenizer,
+                   request_metadata, created_time, _increment_sequence_number_and_return):
+        async for event in original(self, request, sampling_params, result_generator, context, model_name,
+                                    tokenizer, request_metadata, created_time, _increment_sequence_number_and_return):
+            yield event
 
-    def counting(event):
-        nonlocal sequence_number
-        sequence_number += 1
-        return event
-
-    cell = vllm_seams.sequence_number_cell(counting)
-    assert [vllm_seams.take_sequence_number(cell) for _ in range(3)] == [7, 8, 9]
-    assert sequence_number == 10
+    monkeypatch.setattr(OpenAIServingResponses, "_process_simple_streaming_events", loop)
+    problems = vllm_seams.check()
+    assert len(problems) == 1 and "'responses simple loop'" in problems[0] and "source" in problems[0]
 
 
-def test_frames_other_than_the_simple_loop_are_not_read():
-    import sys
+def test_the_lean_responses_loop_is_vllms_but_for_its_body():
+    """The filter's loop (``lean_serving_class``) overrides only the simple streaming loop, and takes
+    the arguments vLLM's generator passes it."""
+    import inspect
 
-    assert vllm_seams.responses_loop_locals(None) is None
-    assert vllm_seams.responses_loop_locals(sys._getframe()) is None
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    from derender.endpoints.responses.lean import lean_serving_class
+
+    cls = lean_serving_class(lambda request_id, body: None)
+    assert issubclass(cls, OpenAIServingResponses)
+    assert [name for name in vars(cls) if callable(vars(cls)[name])] == ["_process_simple_streaming_events"]
+    ours = inspect.signature(cls._process_simple_streaming_events).parameters
+    assert list(ours) == list(inspect.signature(OpenAIServingResponses._process_simple_streaming_events).parameters)

@@ -19,9 +19,9 @@ the checks are for the reader of a failed upgrade, not for correctness at run ti
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType
@@ -88,14 +88,6 @@ def _find(where: str) -> Any:
 
 def _code(where: str) -> CodeType:
     return inspect.unwrap(_find(where)).__code__
-
-
-def _nested(code: CodeType, name: str) -> CodeType:
-    """The code of the function ``name`` defined inside ``code``."""
-    for const in code.co_consts:
-        if isinstance(const, CodeType) and const.co_name == name:
-            return const
-    raise SeamChanged(name, f"no function {name} inside {code.co_name}")
 
 
 def _has_locals(seam: str, code: CodeType, names: tuple[str, ...]) -> None:
@@ -175,72 +167,63 @@ def merge_inline_system(serving_messages: Any) -> Any:
     return serving_messages._merge_inline_system
 
 
-# -- the Responses loop (endpoints/responses/lean.py, session.py) ---------------------------------------
+# -- the Responses loop (endpoints/responses/lean.py) ----------------------------------------------------
 RESPONSES = "vllm.entrypoints.openai.responses.serving:OpenAIServingResponses"
-LOOP_LOCALS = ("context", "request", "processor", "_get_logprobs", "_increment_sequence_number_and_return")
+SIMPLE_LOOP = f"{RESPONSES}._process_simple_streaming_events"
+# The sha256 of vLLM 0.33.0's source of the loop that ``lean_serving_class`` copies.
+SIMPLE_LOOP_SOURCE = "79ceb6536458d3646226e6b9204f1913bbf96bffd245f61d649c6940fe89311b"
 
 
 @_seam(
-    "responses loop frame",
-    f"{RESPONSES}._process_simple_streaming_events",
-    "the objects of the simple streaming loop (context, request, event processor, logprobs and "
-    "sequence-number functions), from the frame that calls the engine's generate through "
-    "_generate_with_builtin_tools: the lean path runs the loop's body with them",
+    "responses simple loop",
+    SIMPLE_LOOP,
+    "the lean path overrides it with a copy of it (endpoints/responses/lean.py, lean_serving_class) that "
+    "builds the loop's objects itself and lends them to the session; its arguments (the numbering "
+    "function among them) are what responses_stream_generator passes",
 )
-def _check_responses_loop() -> None:
-    _has_locals("responses loop frame", _code(f"{RESPONSES}._process_simple_streaming_events"), LOOP_LOCALS)
-    tools = _code(f"{RESPONSES}._generate_with_builtin_tools")
-    _sets("responses loop frame", tools, "generate")
-
-
-def responses_loop_locals(engine_caller: Any) -> dict[str, Any] | None:
-    """The simple streaming loop's locals, from the frame of whatever called the engine's ``generate``
-    (``_generate_with_builtin_tools``, called by ``_process_simple_streaming_events``); None for any
-    other caller (Harmony's path, a vLLM that moved it)."""
-    outer = engine_caller.f_back if engine_caller is not None else None
-    if (
-        engine_caller is None
-        or outer is None
-        or engine_caller.f_code.co_name != "_generate_with_builtin_tools"
-        or outer.f_code.co_name != "_process_simple_streaming_events"
-    ):
-        return None
-    local = outer.f_locals
-    return local if all(n in local for n in LOOP_LOCALS) else None
-
-
-def engine_caller() -> Any:
-    """The frame that called the engine's ``generate``, for ``endpoints.responses.session.Session.generate``
-    (which the stand-in engine's ``generate`` calls): three frames up from here."""
-    return sys._getframe(3)
+def _check_simple_loop() -> None:
+    _parameters(
+        "responses simple loop",
+        SIMPLE_LOOP,
+        (
+            "request",
+            "sampling_params",
+            "result_generator",
+            "context",
+            "model_name",
+            "tokenizer",
+            "request_metadata",
+            "created_time",
+            "_increment_sequence_number_and_return",
+        ),
+    )
+    source = inspect.getsource(inspect.unwrap(_find(SIMPLE_LOOP)))
+    if hashlib.sha256(source.encode()).hexdigest() != SIMPLE_LOOP_SOURCE:
+        raise SeamChanged("responses simple loop", "its source is not the one the filter's copy was made from")
+    _sets("responses simple loop", _code(f"{RESPONSES}.responses_stream_generator"), "_process_simple_streaming_events")
 
 
 @_seam(
-    "responses sequence number",
-    f"{RESPONSES}.responses_stream_generator",
-    "the cell of the closure that numbers events (sequence_number): events written from a template "
-    "take their number from it and count it up",
+    "responses errors and logprobs",
+    f"{RESPONSES}._raise_if_error",
+    "the loop's two calls on the serving object: _raise_if_error (an engine error) and "
+    "_create_response_logprobs (an output's logprobs)",
 )
-def _check_sequence_number() -> None:
-    code = _code(SEAMS["responses sequence number"].where)
-    numbering = _nested(code, "_increment_sequence_number_and_return")
-    if "sequence_number" not in numbering.co_freevars:
-        raise SeamChanged("responses sequence number", "the numbering function closes over no sequence_number")
+def _check_responses_helpers() -> None:
+    _parameters("responses errors and logprobs", f"{RESPONSES}._raise_if_error", ("finish_reason", "request_id"))
+    _parameters(
+        "responses errors and logprobs",
+        f"{RESPONSES}._create_response_logprobs",
+        ("token_ids", "logprobs", "tokenizer", "top_logprobs"),
+    )
 
 
-def sequence_number_cell(numbering: Callable[..., Any]) -> Any:
-    """The closure cell that vLLM's numbering function counts in (``cell_contents``: the next number)."""
-    try:
-        return numbering.__closure__[numbering.__code__.co_freevars.index("sequence_number")]  # type: ignore[index]
-    except (AttributeError, ValueError, TypeError) as exc:
-        raise SeamChanged("responses sequence number", f"{type(exc).__name__}: {exc}") from None
+def raise_if_error(serving: Any, finish_reason: str | None, request_id: str) -> None:
+    serving._raise_if_error(finish_reason, request_id)
 
 
-def take_sequence_number(cell: Any) -> int:
-    """The next event number of ``sequence_number_cell``, counted up as vLLM's numbering function does."""
-    number = cell.cell_contents
-    cell.cell_contents = number + 1
-    return number
+def response_logprobs(serving: Any, **kwargs: Any) -> Any:
+    return serving._create_response_logprobs(**kwargs)
 
 
 @_seam(

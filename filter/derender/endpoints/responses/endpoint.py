@@ -42,7 +42,8 @@ from ...translate.render import Rendered, media_of, producer_body
 from ...translate.stream import ChatStream, choice_outputs
 from ..chat import ChatExchange
 from . import store
-from .session import _STAND_IN_SESSIONS, Session, _ProducerEngine
+from .lean import lean_serving_class
+from .session import _STAND_IN_SESSIONS, Session, _ProducerEngine, lend_loop
 
 RESPONSES_PATH = "/v1/responses"
 
@@ -51,10 +52,12 @@ log = logging.getLogger("derender.responses")
 
 @functools.cache
 def serving_responses(model: Model) -> Any:
-    """vLLM's ``OpenAIServingResponses`` for ``model``, built as ``vllm serve`` builds it."""
+    """vLLM's ``OpenAIServingResponses`` for ``model``, built as ``vllm serve`` builds it (on the lean
+    path, with the filter's copy of its simple streaming loop: ``lean.lean_serving_class``)."""
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
-    serving = model.vllm_serving(OpenAIServingResponses, _ProducerEngine(model.vllm_config, model.renderer))
+    cls = lean_serving_class(lend_loop) if model.lean else OpenAIServingResponses
+    serving = model.vllm_serving(cls, _ProducerEngine(model.vllm_config, model.renderer))
     if (shared := store.of(model.settings)) is not None:
         shared.install(serving)
     return serving

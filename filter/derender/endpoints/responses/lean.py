@@ -5,6 +5,8 @@ writes from a template of vLLM's own."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pydantic_core
@@ -15,22 +17,23 @@ from ...translate import vllm_seams
 class LoopBody:
     """The lean path of a Responses stream: the body of the loop of vLLM's
     ``_process_simple_streaming_events`` (and the lines of ``_generate_with_builtin_tools`` that hand
-    it an output), run for an output that does not finish the choice with that generator's own
-    objects -- the context, its response parser, the streaming event processor, the request, its
-    logprob and sequence-number functions -- taken from its frame when it asks the engine to
-    generate. So vLLM's parsers and event builders do every step; the four async generators that
-    carry an output from the engine to the client are not resumed for it. The finishing output,
-    the end, failures and what the body raises go through the generators. Harmony's path (gpt-oss)
-    is another generator and is not taken here. ``tests/test_lean.py`` runs both paths over
-    generated streams (every shipped configuration but gpt-oss) and demands identical bytes."""
+    it an output), run for an output that does not finish the choice with the loop's own objects --
+    the context, its response parser, the streaming event processor, the request, its logprob and
+    sequence-number functions. The loop is the filter's (``lean_serving_class``: vLLM 0.33.0's loop,
+    which builds those objects itself and lends them to the session), so nothing is read from a
+    running frame. vLLM's parsers and event builders do every step; the four async generators that
+    carry an output from the engine to the client are not resumed for it. The finishing output, the
+    end, failures and what the body raises go through the generators. Harmony's path (gpt-oss) is
+    another generator and is not taken here. ``tests/test_lean.py`` runs both paths over generated
+    streams (every shipped configuration but gpt-oss) and demands identical bytes."""
 
     __slots__ = (
         "context",
-        "counter",
         "events",
         "logprobs",
         "names",
         "number",
+        "numbered",
         "processor",
         "request",
         "states",
@@ -38,42 +41,38 @@ class LoopBody:
         "templated",
     )
 
-    @classmethod
-    def of(cls, frame: Any) -> LoopBody | None:
-        """From the frame of the caller of the engine's ``generate``, if it is the simple path's."""
-        local = vllm_seams.responses_loop_locals(frame)
-        if local is None:
-            return None
-        try:
-            return cls(local)
-        except (vllm_seams.SeamChanged, KeyError, ImportError, AttributeError):  # not the generator expected
-            return None
-
-    def __init__(self, local: dict[str, Any]) -> None:
+    def __init__(self, context: Any, request: Any, processor: Any, logprobs: Any, number: Any) -> None:
         from vllm.entrypoints.openai.responses import serving as names
-
-        self.context, self.request, self.processor = local["context"], local["request"], local["processor"]
-        self.logprobs, self.number = local["_get_logprobs"], local["_increment_sequence_number_and_return"]
         from vllm.entrypoints.openai.responses import streaming_events as events
 
+        self.context, self.request, self.processor, self.logprobs, self.number = (
+            context,
+            request,
+            processor,
+            logprobs,
+            number,
+        )
         self.names, self.events = names, events
-        for name in ("as_list", "split_delta", "maybe_filter_parallel_tool_calls", "DeltaMessage"):
-            getattr(names, name)
         self.states = vllm_seams.responses_state_type()
-        # The generator's sequence number: the closure cell its numbering function counts in.
-        self.counter = vllm_seams.sequence_number_cell(self.number)
+        self.numbered = _Numbered()  # what a template's event number is taken on
         self.template: tuple[Any, ...] | None = None  # (key, the delta event's bytes around the delta and the number)
         self.templated = 0  # delta events written from the template (tests read it)
 
     def step(self, res: Any, sink: Any) -> None:
         """The events vLLM's loop yields for ``res`` (whose choice is not finished), numbered, into
         ``sink`` one by one as the loop yields them (each before the next is built)."""
-        names, ctx, request, processor = self.names, self.context, self.request, self.processor
+        ctx = self.context
         ctx.request_metrics = res.metrics
         ctx.append_output(res)
         if ctx.last_output is None or not ctx.last_output.outputs:
             return
-        output = ctx.last_output.outputs[0]
+        for event in self.body(ctx, ctx.last_output.outputs[0], True):
+            sink(event)
+
+    def body(self, ctx: Any, output: Any, templates: bool) -> Any:
+        """The loop's body for ``output`` of ``ctx``: its events, numbered, each built when the one
+        before it is taken; with ``templates``, a delta inside an open item as a ``Frame``."""
+        names, request, processor, number = self.names, self.request, self.processor, self.number
         if ctx.response_parser:
             delta_message = ctx.response_parser.parse_delta(
                 delta_text=output.text,
@@ -87,25 +86,27 @@ class LoopBody:
         if not delta_message:
             return
         delta_message = names.maybe_filter_parallel_tool_calls(delta_message, request)
-        number = self.number
         for dm in names.split_delta(delta_message):
             target_state, tool_call = processor.resolve_target_state(dm)
             if target_state == self.states.NONE:
                 continue
             if processor.needs_transition(target_state, tool_call):
                 for event in processor.close_current():
-                    sink(number(event))
+                    yield number(event)
                 for event in processor.open(target_state, tool_call):
-                    sink(number(event))
-            elif self._delta(dm, output, sink):
-                continue
+                    yield number(event)
+            elif templates:
+                frame = self._delta(dm, output)
+                if frame is not None:
+                    yield frame
+                    continue
             for event in processor.emit_delta(dm, output, self.logprobs):
-                sink(number(event))
+                yield number(event)
 
-    def _delta(self, dm: Any, output: Any, sink: Any) -> bool:
+    def _delta(self, dm: Any, output: Any) -> Frame | None:
         """``emit_delta``'s one event for a delta inside an open item, as bytes from a template of
         that event (built by vLLM's own ``emit_simple_*_delta`` on a copy of the state, so its class
-        and fields are vLLM's), the state's text grown as ``emit_delta`` grows it; False (nothing
+        and fields are vLLM's), the state's text grown as ``emit_delta`` grows it; None (nothing
         done) for what the template does not cover: logprobs, custom tools, empty arguments."""
         events, state, states = self.events, self.processor.state, self.states
         kind = state.current_state
@@ -113,7 +114,7 @@ class LoopBody:
             delta, make = dm.reasoning, events.emit_simple_reasoning_delta
         elif kind == states.CONTENT:
             if self.logprobs(output):
-                return False
+                return None
             delta, make = dm.content, events.emit_simple_content_delta
         elif kind == states.TOOL_CALL and not state.tool_call_is_custom:
             delta = "".join(
@@ -121,19 +122,20 @@ class LoopBody:
             )
             make = events.emit_simple_tool_call_delta
         else:
-            return False
+            return None
         if not delta:
-            return False
+            return None
         key = (kind, state.current_item_id, state.output_index, state.content_index)
         if self.template is None or self.template[0] != key:
             self.template = (key, *_template(make, state))
         _, head, middle, tail, delta_first = self.template
-        number = vllm_seams.take_sequence_number(self.counter)
+        number = self.number(self.numbered).sequence_number
         state.accumulated_text += delta
         text, count = pydantic_core.to_json(delta), str(number).encode()
-        sink(Frame(head + text + middle + count + tail if delta_first else head + count + middle + text + tail, number))
         self.templated += 1
-        return True
+        return Frame(
+            head + text + middle + count + tail if delta_first else head + count + middle + text + tail, number
+        )
 
 
 MARK = "\x00derender-delta\x00"
@@ -169,3 +171,72 @@ class Frame:
 
     def __init__(self, frame: bytes, sequence_number: int) -> None:
         self.frame, self.sequence_number = frame, sequence_number
+
+
+class _Numbered:
+    """What vLLM's numbering function numbers for an event written from a template: it sets the
+    ``sequence_number`` of what it is given and counts up."""
+
+    __slots__ = ("sequence_number",)
+
+    def __init__(self) -> None:
+        self.sequence_number = -1
+
+
+@functools.cache
+def lean_serving_class(lend: Callable[[str, LoopBody], None]) -> type:
+    """``OpenAIServingResponses`` whose simple streaming loop is the filter's: vLLM 0.33.0's
+    ``_process_simple_streaming_events``, line for line, but for its body (``LoopBody.body``) and one
+    more line: it lends its objects to the request's session (``lend``), whose lean path runs the
+    body for the outputs that finish nothing. ``vllm_seams`` checks the loop it copies is still
+    0.33.0's; ``--stream-path vllm`` serves with vLLM's class."""
+    from vllm.entrypoints.openai.responses import serving as names
+
+    class LeanServingResponses(names.OpenAIServingResponses):
+        async def _process_simple_streaming_events(  # the seam "responses simple loop"
+            self,
+            request: Any,
+            sampling_params: Any,
+            result_generator: Any,
+            context: Any,
+            model_name: str,
+            tokenizer: Any,
+            request_metadata: Any,
+            created_time: int,
+            _increment_sequence_number_and_return: Callable[[Any], Any],
+        ) -> Any:
+            number = _increment_sequence_number_and_return
+            processor = names.SimpleStreamingEventProcessor(tools=request.tools)
+            hide_stream_metadata = not request.include_reasoning and context.response_parser is not None
+
+            def _get_logprobs(output: Any) -> list[Any]:
+                if not request.is_include_output_logprobs():
+                    return []
+                if hide_stream_metadata:
+                    return []
+                return vllm_seams.response_logprobs(
+                    self,
+                    token_ids=output.token_ids,
+                    logprobs=output.logprobs,
+                    tokenizer=tokenizer,
+                    top_logprobs=request.top_logprobs,
+                )
+
+            body = LoopBody(context, request, processor, _get_logprobs, number)
+            lend(request.request_id, body)
+            finish_reason: str | None = None
+            async for ctx in result_generator:
+                assert isinstance(ctx, names.SimpleContext)
+                if ctx.last_output is None or not ctx.last_output.outputs:
+                    continue
+                output = ctx.last_output.outputs[0]
+                vllm_seams.raise_if_error(self, output.finish_reason, request.request_id)
+                finish_reason = output.finish_reason
+                for event in body.body(ctx, output, False):
+                    yield event
+            for event in processor.close_current(names.response_item_status(finish_reason)):
+                yield number(event)
+            assert isinstance(context, names.SimpleContext)
+            context.streamed_output_items = processor.output_items
+
+    return LeanServingResponses

@@ -15,7 +15,6 @@ import logging
 from collections import deque
 from typing import Any
 
-from ...translate import vllm_seams
 from ...translate.errors import HTTPError, from_exception
 from ...translate.model import _EngineStandIn
 from ...translate.stream import WAIT, advance, close_chain
@@ -65,9 +64,13 @@ class Session:
             raise HTTPError(400, ONE_GENERATION, param="tools")
         self.engine_input, self.params, self.engine_kwargs = engine_input, params, kwargs
         self.called.set()
-        if self.request.stream and self.lean:
-            self._loop = LoopBody.of(vllm_seams.engine_caller())
         return self._outputs()
+
+    def lend(self, body: LoopBody) -> None:
+        """The filter's copy of vLLM's simple streaming loop lends its objects (``lean_serving_class``):
+        the lean path runs its body for the outputs that finish nothing."""
+        if self.request.stream and self.lean:
+            self._loop = body
 
     async def _outputs(self):
         while True:
@@ -325,6 +328,13 @@ def _error_event(failure: BaseException, sequence: int) -> bytes:
 
 # The sessions of this process, by Responses request id (the engine request id is that plus "_N").
 _STAND_IN_SESSIONS: dict[str, Session] = {}
+
+
+def lend_loop(request_id: str, body: LoopBody) -> None:
+    """``lean_serving_class``'s loop lends its objects to the session of ``request_id``."""
+    session = _STAND_IN_SESSIONS.get(request_id)
+    if session is not None:
+        session.lend(body)
 
 
 class _ProducerEngine(_EngineStandIn):
