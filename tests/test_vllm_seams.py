@@ -27,33 +27,32 @@ def test_a_removed_private_method_names_its_seam(monkeypatch):
     assert len(problems) == 1 and "'chat parser'" in problems[0] and vllm_seams.VLLM in problems[0]
 
 
-def test_a_renamed_generator_local_names_its_seam(monkeypatch):
-    """The chat generator's locals, read from its running frame by the lean path: a vLLM whose generator
-    keeps them under other names is caught by the check, and the running read refuses it by name."""
+def test_a_changed_chat_generator_names_its_seam(monkeypatch):
+    """The lean chat path runs the filter's copy of vLLM 0.33.0's chat stream generator
+    (``translate/chat_loop.py``): a vLLM whose generator is another is caught by the check, by name."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 
-    async def generator_raw(self, request, result_generator, request_id, model_name, *args, **kwargs):
-        created = 0
-        per_choice = []
-        yield (created, per_choice, request_id, model_name)
+    original = OpenAIServingChat.chat_completion_stream_generator_raw
+
+    async def generator_raw(self, *args, **kwargs):
+        async for chunk in original(self, *args, **kwargs):
+            yield chunk
 
     monkeypatch.setattr(OpenAIServingChat, "chat_completion_stream_generator_raw", generator_raw)
     problems = vllm_seams.check()
-    assert len(problems) == 1 and "'chat generator locals'" in problems[0]
-    assert "processors" in problems[0] and "created_time" in problems[0]
+    assert len(problems) == 1 and "'chat stream generator'" in problems[0] and "source" in problems[0]
+    # The copy may no longer do what this vLLM does: the lean path is off, every stream vLLM's.
+    from derender.translate.model import _lean
+    from derender.settings import Settings
 
-    async def first():
-        raw = generator_raw(None, None, None, "id", "m")
-        await raw.__anext__()
-        try:
-            with pytest.raises(vllm_seams.SeamChanged, match="chat generator locals"):
-                vllm_seams.chat_generator_locals(raw)
-        finally:
-            await raw.aclose()
-
-    import asyncio
-
-    asyncio.run(first())
+    vllm_seams._moved_once.cache_clear()
+    try:
+        assert not vllm_seams.lean_holds()
+        assert not _lean(Settings(stream_path="lean"))
+    finally:
+        vllm_seams._moved_once.cache_clear()
+    monkeypatch.undo()
+    assert vllm_seams.lean_holds() and _lean(Settings(stream_path="lean"))
 
 
 def test_a_changed_responses_loop_names_its_seam(monkeypatch):

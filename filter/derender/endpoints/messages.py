@@ -153,9 +153,7 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
 
     def _generator(self, model: Model, rendered: Rendered):
         serving = self._serving_chat = serving_messages(model)
-        self._raw = serving.chat_completion_stream_generator_raw(
-            *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
-        )
+        self._raw = self._chunks_of(serving, model, rendered)
         self._conv = serving.message_stream_converter(self._source())
         return self._raw
 

@@ -7,8 +7,9 @@ for what is rare or intricate -- the first event (role chunk, first delta), the 
 finishes the choice (finish reason, stop reason, tool-call cleanup), usage, errors -- and does
 the middle events, which carry no finish reason, itself, the way the generator's loop does them:
 
-- the same ``ChatStreamProcessor`` objects, taken from the generator's own frame once it has built
-  them, so vLLM's reasoning and tool parsers do every step (their state is the generator's);
+- the same ``ChatStreamProcessor`` objects as the generator, so vLLM's reasoning and tool parsers do
+  every step (their state is the generator's): the generator is the filter's copy of vLLM 0.33.0's
+  (``chat_loop``), which keeps them where this path finds them, not a frame of vLLM's to read;
 - the parser's ``DeltaMessage`` serialized by its own pydantic serializer, put between the two
   halves of a chunk that vLLM's models serialized once per stream (a marker delta cut out);
 - from the second middle event on, when the choice's output processor does nothing per token but
@@ -17,8 +18,8 @@ the middle events, which carry no finish reason, itself, the way the generator's
 
 It serves what the generator's middle branch makes of such an event when no per-token extra is
 asked for: ``n`` 1, no ``logprobs``, ``echo``, ``return_token_ids``, ``return_prompt_text`` or
-continuous usage stats, no output logging (``eligible``). Anything else, or a generator whose
-frame does not hold what is expected, takes vLLM's path for the whole stream. A parser that
+continuous usage stats, no output logging (``eligible``). Anything else takes vLLM's generator for
+the whole stream. A parser that
 raises is handed to the generator as its failure, which it answers as it answers its own.
 ``tests/test_lean.py`` runs both paths over generated streams for every shipped tokenizer and
 parser configuration and demands identical bytes. ``derender serve --stream-path vllm`` turns it off.
@@ -31,6 +32,7 @@ import logging
 from typing import Any
 
 from . import vllm_seams
+from .chat_loop import LoopState, chat_stream
 from .model import Model
 from .render import Rendered
 from .stream import ChatStream
@@ -82,22 +84,24 @@ def one_choice_event(payload: bytes) -> dict[str, Any] | None:
 
 
 class _Frame:
-    """What the lean path takes from vLLM's running generator, and the chunk's two halves."""
+    """What the lean path shares with the running generator (``chat_loop.LoopState``), and the
+    chunk's two halves."""
 
     __slots__ = ("fields", "generated", "head", "processors", "reasoning_details", "tail")
 
-    def __init__(self, raw: Any, serving: Any) -> None:
+    def __init__(self, state: LoopState, serving: Any) -> None:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
 
-        local = vllm_seams.chat_generator_locals(raw)
-        self.processors = local["processors"]
-        self.generated = local["generated_token_ids"]
+        if not state.processors:
+            raise ValueError("the generator has built no processors")
+        self.processors = state.processors
+        self.generated = state.generated
         self.reasoning_details = vllm_seams.include_reasoning_tokens_details(serving)
-        self.fields = {
-            "id": local["request_id"],
-            "object": local["chunk_object_type"],
-            "created": local["created_time"],
-            "model": local["model_name"],
+        self.fields: dict[str, Any] = {
+            "id": state.request_id,
+            "object": state.object,
+            "created": state.created,
+            "model": state.model_name,
         }
         # The chunk of the generator's middle branch, with a marker for the delta: vLLM's models
         # serialize everything around the delta once, here, exactly as they would every time.
@@ -130,6 +134,7 @@ class LeanChatStream(ChatStream):
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self._raw: Any = None
+        self._loop_state = LoopState()  # what the generator (``chat_loop``) shares with this path
         self._frame: _Frame | bool | None = None  # False: vLLM's path for the whole stream
         self._lean: list[bytes] = []
         self.handled = 0  # outputs the lean path did itself
@@ -175,12 +180,20 @@ class LeanChatStream(ChatStream):
         return data
 
     def _generator(self, model: Model, rendered: Rendered):
-        """vLLM's raw chunk generator, serialized as its ``chat_completion_stream_generator`` does."""
+        """The raw chunk generator (``chat_loop``), serialized as vLLM's ``chat_completion_stream_generator``
+        serializes its own."""
         serving = self._serving_chat = self._serving(model)
-        self._raw = serving.chat_completion_stream_generator_raw(
-            *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
-        )
+        self._raw = self._chunks_of(serving, model, rendered)
         return _serialized(serving, self._raw)
+
+    def _chunks_of(self, serving: Any, model: Model, rendered: Rendered) -> Any:
+        """vLLM 0.33.0's raw chat chunk generator for this stream (the filter's copy, ``chat_loop``)."""
+        return chat_stream(
+            serving,
+            self._loop_state,
+            *self._generator_args(model, rendered),
+            chat_template_kwargs=rendered.chat_template_kwargs,
+        )
 
     def _accept(self, outputs: list[Any]) -> None:
         for res in outputs:
@@ -246,9 +259,11 @@ class LeanChatStream(ChatStream):
 
     def _take_frame(self) -> _Frame | bool:
         try:
-            return _Frame(self._raw, self._serving_chat)
-        except (vllm_seams.SeamChanged, AttributeError, KeyError, TypeError, ValueError):
-            log.warning("vLLM's chat stream generator is not as expected: its path for this stream", exc_info=True)
+            return _Frame(self._loop_state, self._serving_chat)
+        except (AttributeError, KeyError, TypeError, ValueError):
+            log.warning(
+                "the chat stream's chunk is not as expected: the generator takes all of this stream", exc_info=True
+            )
             return False
 
 

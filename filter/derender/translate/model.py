@@ -142,7 +142,7 @@ class Model:
 
         self.spec = spec
         self.settings = spec.settings
-        self.lean = spec.settings.stream_path == "lean"  # the lean stream path (``lean``, ``parser_tables``)
+        self.lean = _lean(spec.settings)  # the lean stream path (``lean``, ``parser_tables``)
         if self.lean:
             parser_tables.memoize()
         if (Path(spec.model) / "o200k_base.tiktoken").is_file():
@@ -210,7 +210,7 @@ class Model:
         other = copy.copy(self)
         other.spec = replace(self.spec, settings=settings)
         other.settings = settings
-        other.lean = settings.stream_path == "lean"
+        other.lean = _lean(settings)
         if other.lean:
             parser_tables.memoize()
         return other
@@ -271,3 +271,15 @@ def _with_adapters(registry: Any, vllm_config: Any, state: Any, lora_modules: li
     for serving in (state.serving_render, state.serving_tokenization):
         serving.models = models
     return models
+
+
+def _lean(settings: Settings) -> bool:
+    """The lean stream path, if asked for and the vLLM seams it rests on hold (``vllm_seams.LEAN``)."""
+    if settings.stream_path != "lean":
+        return False
+    if not vllm_seams.lean_holds():
+        log.warning(
+            "the installed vLLM is not the one the lean stream path was written for: vLLM's path for every stream"
+        )
+        return False
+    return True

@@ -76,7 +76,7 @@ class ChatStream:
             *self._generator_args(model, rendered), chat_template_kwargs=rendered.chat_template_kwargs
         )
 
-    def _generator_args(self, model: Model, rendered: Rendered) -> tuple:
+    def _generator_args(self, model: Model, rendered: Rendered) -> tuple[Any, Any, str, str, Any, Any, Any]:
         """What vLLM's chat stream generators take, in order, for this stream."""
         from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
 

@@ -1,8 +1,8 @@
 """Every use of vLLM's non-public surface, in one module.
 
 The filter reuses vLLM 0.33's own serving code for parity, and in a few places it reaches past vLLM's
-public API: a private method called, a private attribute read or replaced, a running generator's
-locals, a caller's frame, a closure cell. Each such place is a *seam*, listed in ``SEAMS`` with where
+public API: a private method called or overridden, a private attribute read or replaced, a loop
+copied. Each such place is a *seam*, listed in ``SEAMS`` with where
 in vLLM it was read (vLLM ``VLLM``), what the filter takes from it, and a check of its shape in the
 installed vLLM. The rest of the package goes through the functions below and nothing else
 (``tests/test_layout.py`` finds any private name or frame read elsewhere); ``check()`` says which
@@ -12,8 +12,12 @@ start-up), so an upgrade names the seam that broke rather than failing somewhere
 The module is longer than 400 lines on purpose: it is the catalogue, one short entry per seam, and
 keeping every seam in one place is its point.
 
-Most seams have a fallback where they are used (vLLM's own path for the stream, the plain call);
-the checks are for the reader of a failed upgrade, not for correctness at run time.
+No seam reads a running frame or a closure: where the lean path needs the objects a vLLM loop keeps
+in its locals, it runs the filter's copy of that loop (``chat_loop``, ``endpoints/responses/lean``),
+and the seam checks that vLLM's loop is still the one copied (its source's digest). Those seams
+(``LEAN``) also decide at run time: if one moved, the lean path is off and every stream takes vLLM's
+own path (``lean_holds``). Most other seams have a fallback where they are used (the plain call);
+their checks are for the reader of a failed upgrade.
 """
 
 from __future__ import annotations
@@ -59,21 +63,40 @@ def _seam(name: str, where: str, use: str) -> Callable[[Callable[[], None]], Cal
 
 def check() -> list[str]:
     """What differs in the installed vLLM: one line per seam that moved (empty: every seam holds)."""
+    return [problem for _, problem in _moved()]
+
+
+def _moved() -> list[tuple[str, str]]:
     problems = []
     for seam in SEAMS.values():
         try:
             seam.check()
         except SeamChanged as exc:
-            problems.append(str(exc))
+            problems.append((seam.name, str(exc)))
         except Exception as exc:  # noqa: BLE001 - an import or attribute gone: that seam moved
-            problems.append(str(SeamChanged(seam.name, f"{type(exc).__name__}: {exc}")))
+            problems.append((seam.name, str(SeamChanged(seam.name, f"{type(exc).__name__}: {exc}"))))
     return problems
 
 
 @functools.cache
 def check_once() -> tuple[str, ...]:
     """``check()``, once per process (each ``Model`` logs what it found)."""
-    return tuple(check())
+    return tuple(problem for _, problem in _moved_once())
+
+
+@functools.cache
+def _moved_once() -> tuple[tuple[str, str], ...]:
+    return tuple(_moved())
+
+
+# The seams under the lean path's copies of vLLM's loops: if one moved, the copies may no longer do
+# what the installed vLLM does, and every stream takes vLLM's own path (``lean_holds``).
+LEAN = ("chat stream generator", "chat usage details", "responses simple loop", "responses errors and logprobs")
+
+
+def lean_holds() -> bool:
+    """Every seam the lean path rests on holds in the installed vLLM (checked once per process)."""
+    return not any(name in LEAN for name, _ in _moved_once())
 
 
 # -- shape checks ------------------------------------------------------------------------------------
@@ -109,30 +132,49 @@ def _parameters(seam: str, where: str, names: tuple[str, ...]) -> None:
         raise SeamChanged(seam, f"{where} takes no {', '.join(missing)} (it takes {', '.join(params)})")
 
 
-# -- the chat stream generator (translate/lean.py) -----------------------------------------------------
+# -- the chat stream generator (translate/chat_loop.py) ---------------------------------------------------
 CHAT_GENERATOR = (
     "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_stream_generator_raw"
 )
-CHAT_LOCALS = ("processors", "generated_token_ids", "request_id", "chunk_object_type", "created_time", "model_name")
+# The sha256 of vLLM 0.33.0's source of the generator that ``chat_loop.chat_stream`` copies.
+CHAT_GENERATOR_SOURCE = "f946a97899fce0d95f150fb5a6ffad72b3b011c523f133398e04336ad2a214ca"
+CHAT_SERVING = "vllm.entrypoints.openai.chat_completion.serving"
 
 
 @_seam(
-    "chat generator locals",
+    "chat stream generator",
     CHAT_GENERATOR,
-    "the running generator's per-choice processors, its generated ids and the chunk's fields: the lean "
-    "path steps the same processors for the middle events",
+    "the lean path runs the filter's copy of it (translate/chat_loop.py) for the requests it takes, "
+    "which keeps the per-choice processors and generated ids where the lean path steps them",
 )
-def _check_chat_locals() -> None:
-    _has_locals("chat generator locals", _code(CHAT_GENERATOR), CHAT_LOCALS)
+def _check_chat_generator() -> None:
+    source = inspect.getsource(inspect.unwrap(_find(CHAT_GENERATOR)))
+    if hashlib.sha256(source.encode()).hexdigest() != CHAT_GENERATOR_SOURCE:
+        raise SeamChanged("chat stream generator", "its source is not the one the filter's copy was made from")
 
 
-def chat_generator_locals(raw: Any) -> dict[str, Any]:
-    """The locals of vLLM's running chat stream generator ``raw`` (after its first chunk)."""
-    local = raw.ag_frame.f_locals
-    missing = [n for n in CHAT_LOCALS if n not in local]
-    if missing:
-        raise SeamChanged("chat generator locals", f"no {', '.join(missing)} in the running generator")
-    return local
+@_seam(
+    "chat usage details",
+    f"{CHAT_SERVING}:_make_completion_tokens_details",
+    "the usage's completion and prompt token details as the chat generator builds them "
+    "(_make_completion_tokens_details, _make_prompt_tokens_details), and _raise_if_error",
+)
+def _check_chat_usage_details() -> None:
+    _parameters("chat usage details", f"{CHAT_SERVING}:_make_completion_tokens_details", ("reasoning_tokens",))
+    _parameters(
+        "chat usage details",
+        f"{CHAT_SERVING}:_make_prompt_tokens_details",
+        ("enable_prompt_tokens_details", "num_cached_tokens", "num_cache_creation_tokens", "mm_token_counts"),
+    )
+    _parameters(
+        "chat usage details", f"{CHAT_SERVING}:OpenAIServingChat._raise_if_error", ("finish_reason", "request_id")
+    )
+
+
+def chat_usage_details() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(``_make_completion_tokens_details``, ``_make_prompt_tokens_details``) of vLLM's chat serving."""
+    module = importlib.import_module(CHAT_SERVING)
+    return module._make_completion_tokens_details, module._make_prompt_tokens_details
 
 
 @_seam(
