@@ -79,6 +79,12 @@ async def chat_stream(
     )
     first_iteration = True
 
+    def chunk_of(choices: list[Any], **fields: Any) -> Any:
+        """A chunk as vLLM's generator builds each: these fields, and ``fields`` set explicitly."""
+        return ChatCompletionStreamResponse(
+            id=request_id, object=chunk_object_type, created=created_time, choices=choices, model=model_name, **fields
+        )
+
     num_choices = 1 if request.n is None else request.n
     generated_token_ids: list[list[int]] = [[] for _ in range(num_choices)]
     state.generated = generated_token_ids
@@ -134,15 +140,7 @@ async def chat_stream(
                         index=i, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None
                     )
                     # eligible: no return_token_ids, no return_prompt_text
-                    chunk = ChatCompletionStreamResponse(
-                        id=request_id,
-                        object=chunk_object_type,
-                        created=created_time,
-                        choices=[choice_data],
-                        model=model_name,
-                        prompt_token_ids=None,
-                        prompt_text=None,
-                    )
+                    chunk = chunk_of([choice_data], prompt_token_ids=None, prompt_text=None)
                     if include_continuous_usage:
                         chunk.usage = UsageInfo(
                             prompt_tokens=num_prompt_tokens,
@@ -205,13 +203,8 @@ async def chat_stream(
                     )
                     finish_reason_sent[i] = True
 
-                chunk = ChatCompletionStreamResponse(
-                    id=request_id,
-                    object=chunk_object_type,
-                    created=created_time,
-                    choices=[choice_data],
-                    model=model_name,
-                    kv_transfer_params=(res.kv_transfer_params if finish_reason_sent[i] else None),
+                chunk = chunk_of(
+                    [choice_data], kv_transfer_params=(res.kv_transfer_params if finish_reason_sent[i] else None)
                 )
                 if (
                     not include_usage
@@ -261,15 +254,8 @@ async def chat_stream(
                     if stream_per_request_metrics is None:
                         stream_per_request_metrics = PerRequestMetrics()
                     stream_per_request_metrics.speculative_decoding = spec_stats
-            yield ChatCompletionStreamResponse(
-                id=request_id,
-                object=chunk_object_type,
-                created=created_time,
-                choices=[],
-                model=model_name,
-                usage=final_usage,
-                system_fingerprint=serving.system_fingerprint,
-                metrics=stream_per_request_metrics,
+            yield chunk_of(
+                [], usage=final_usage, system_fingerprint=serving.system_fingerprint, metrics=stream_per_request_metrics
             )
 
         num_completion_tokens = sum(p.num_output_tokens for p in processors)
