@@ -6,7 +6,7 @@ body chunk -- after a real ``request_body`` render, in this process, and reports
 CPU microseconds per token for each length. ``--profile`` adds cProfile's top
 functions for the longest stream.
 
-    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile [--stream-path vllm] [--api responses]
+    python bench/profile_hot_path.py --lengths 250,1000,2000 --profile [--stream-path vllm] [--api messages|responses]
 
 Also reported: the request's fixed CPU (``request_body``'s render, every thread of this process)
 and, from two lengths, the cost per token and per stream that the lengths' totals imply.
@@ -52,6 +52,8 @@ async def one_stream(model, producer, chat: bytes, frames: list[bytes], api: str
     """(CPU of the response's chunks, the client's bytes, CPU of ``request_body``: the render)."""
     if api == "responses":
         from derender.endpoints.responses import ResponsesExchange as Exchange
+    elif api == "messages":
+        from derender.endpoints.messages import MessagesExchange as Exchange
     else:
         from derender.endpoints.chat import ChatExchange as Exchange
 
@@ -128,7 +130,7 @@ def main() -> int:
     parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean",
                         help="as derender serve --stream-path (default lean)")
     parser.add_argument("--when-told", action="store_true", help="load, print 'loaded', measure after a line on stdin")
-    parser.add_argument("--api", choices=("chat", "responses"), default="chat", help="which exchange (default chat)")
+    parser.add_argument("--api", choices=("chat", "messages", "responses"), default="chat", help="which exchange (default chat)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
