@@ -11,6 +11,7 @@ its fixture after the file, and any engine no fixture took at the session's end 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import shutil
@@ -145,11 +146,9 @@ def prestart() -> None:
                 engine.spawned.set()
                 continue
             engine.spawn(nice=True)
-            if engine.proc is not None:  # the next one starts when this one is up (or has failed)
-                try:
-                    engine.proc.wait(lambda e=engine: http_ok(e.url + "/health"), READY_S)
-                except Exception:  # noqa: BLE001 - its fixture meets the failure
-                    pass
+            # The next one starts when this one is up; if it failed, its fixture meets the failure.
+            with contextlib.suppress(BaseException):
+                engine.ready()
 
     threading.Thread(target=run, name="real-engines", daemon=True).start()
 

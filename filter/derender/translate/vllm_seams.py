@@ -113,11 +113,11 @@ def _code(where: str) -> CodeType:
     return inspect.unwrap(_find(where)).__code__
 
 
-def _has_locals(seam: str, code: CodeType, names: tuple[str, ...]) -> None:
-    found = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise SeamChanged(seam, f"{code.co_name} has no local {', '.join(missing)}")
+def _same_source(seam: str, where: str, sha256: str) -> None:
+    """``where``'s source is the one the filter's copy of it was made from (its digest)."""
+    source = inspect.getsource(inspect.unwrap(_find(where)))
+    if hashlib.sha256(source.encode()).hexdigest() != sha256:
+        raise SeamChanged(seam, "its source is not the one the filter's copy was made from")
 
 
 def _sets(seam: str, code: CodeType, attribute: str) -> None:
@@ -148,9 +148,7 @@ CHAT_SERVING = "vllm.entrypoints.openai.chat_completion.serving"
     "which keeps the per-choice processors and generated ids where the lean path steps them",
 )
 def _check_chat_generator() -> None:
-    source = inspect.getsource(inspect.unwrap(_find(CHAT_GENERATOR)))
-    if hashlib.sha256(source.encode()).hexdigest() != CHAT_GENERATOR_SOURCE:
-        raise SeamChanged("chat stream generator", "its source is not the one the filter's copy was made from")
+    _same_source("chat stream generator", CHAT_GENERATOR, CHAT_GENERATOR_SOURCE)
 
 
 @_seam(
@@ -239,9 +237,7 @@ def _check_simple_loop() -> None:
             "_increment_sequence_number_and_return",
         ),
     )
-    source = inspect.getsource(inspect.unwrap(_find(SIMPLE_LOOP)))
-    if hashlib.sha256(source.encode()).hexdigest() != SIMPLE_LOOP_SOURCE:
-        raise SeamChanged("responses simple loop", "its source is not the one the filter's copy was made from")
+    _same_source("responses simple loop", SIMPLE_LOOP, SIMPLE_LOOP_SOURCE)
     _sets("responses simple loop", _code(f"{RESPONSES}.responses_stream_generator"), "_process_simple_streaming_events")
 
 

@@ -45,13 +45,8 @@ class LoopBody:
         from vllm.entrypoints.openai.responses import serving as names
         from vllm.entrypoints.openai.responses import streaming_events as events
 
-        self.context, self.request, self.processor, self.logprobs, self.number = (
-            context,
-            request,
-            processor,
-            logprobs,
-            number,
-        )
+        self.context, self.request, self.processor = context, request, processor
+        self.logprobs, self.number = logprobs, number
         self.names, self.events = names, events
         self.states = vllm_seams.responses_state_type()
         self.numbered = _Numbered()  # what a template's event number is taken on
