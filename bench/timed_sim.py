@@ -52,10 +52,10 @@ def main() -> int:
     tpe = str(args.tokens_per_event)
     app = sim.build_app(
         args.model or str(assets.fetch("qwen3", quiet=True)),
-        args.mode,
-        args.script,
-        int(tpe) if tpe.isdigit() else tpe,
-        args.delay,
+        mode=args.mode,
+        script=args.script,
+        tokens_per_event=int(tpe) if tpe.isdigit() else tpe,
+        delay=args.delay,
     )
     app.router.add_post("/bench/record", record)
     app.router.add_get("/bench/writes", writes)
