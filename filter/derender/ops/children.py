@@ -31,13 +31,27 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def port_range() -> tuple[int, int] | None:
+    """Where ``free_port`` draws from: ``DERENDER_PORT_RANGE`` ("LOW-HIGH", HIGH excluded) if set, else
+    10000 up to the kernel's ephemeral range; None: let the kernel choose."""
+    given = os.environ.get("DERENDER_PORT_RANGE", "")
+    if given:
+        low, _, high = given.partition("-")
+        return int(low), int(high)
+    low = _ephemeral_low()
+    return (10000, low) if low > 12000 else None
+
+
 def free_port() -> int:
     """A loopback port nothing listens on, for a program to bind. Drawn below the kernel's ephemeral
     range (``ip_local_port_range``): a port from it, free now, can be taken by any outgoing
-    connection before that program binds it. Never one this process handed out lately."""
-    low = _ephemeral_low()
+    connection before that program binds it. Never one this process handed out lately.
+
+    Two programs drawing side by side (two ``derender up``, two test workers) can draw the same port
+    and race to bind it; ``DERENDER_PORT_RANGE`` gives each a range of its own."""
+    span = port_range()
     for _ in range(200):
-        port = random.randrange(10000, low) if low > 12000 else 0
+        port = random.randrange(*span) if span else 0
         try:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
