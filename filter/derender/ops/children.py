@@ -36,8 +36,8 @@ def port_range() -> tuple[int, int] | None:
     10000 up to the kernel's ephemeral range; None: let the kernel choose."""
     given = os.environ.get("DERENDER_PORT_RANGE", "")
     if given:
-        low, _, high = given.partition("-")
-        return int(low), int(high)
+        first, _, end = given.partition("-")
+        return int(first), int(end)
     low = _ephemeral_low()
     return (10000, low) if low > 12000 else None
 
