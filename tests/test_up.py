@@ -16,6 +16,7 @@ import psutil
 import pytest
 from openai import AuthenticationError, OpenAI
 
+from derender.ops import children
 from stack import LOGS, free_port, start_sim, wait_for
 
 BIN = Path(sys.executable).parent
@@ -190,3 +191,15 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
                 except psutil.NoSuchProcess:
                     pass
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ports_are_drawn_from_derender_port_range(monkeypatch):
+    """``DERENDER_PORT_RANGE`` keeps side-by-side programs (two ``derender up``, two test workers) off
+    each other's ports: every port ``up`` and the tests draw comes from it, none twice lately."""
+    monkeypatch.setenv("DERENDER_PORT_RANGE", "23000-23100")
+    ports = [free_port() for _ in range(20)]
+    assert all(23000 <= port < 23100 for port in ports), ports
+    assert len(set(ports)) == len(ports)
+    monkeypatch.delenv("DERENDER_PORT_RANGE")  # else: below the kernel's ephemeral range
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert children.port_range() == ((10000, low) if low > 12000 else None)
