@@ -24,10 +24,9 @@ from stack import Redis, Stack  # noqa: E402
 # same port. The real vLLM engines are the controller's (``real_engines``), lent to the worker that
 # runs their file through a folder they share.
 def _workers(config) -> int:
-    try:
-        return int(getattr(config.option, "numprocesses", 0) or 0)
-    except (TypeError, ValueError):
-        return 0
+    """How many workers the controller starts (xdist's ``-n``, capped by ``--maxprocesses``: one
+    ``--tx`` each); 0 in one process."""
+    return len(getattr(config.option, "tx", None) or [])
 
 
 def _port_range(config, index: int) -> str:

@@ -24,10 +24,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
-from stack import ROOT, Proc, free_port, http_ok
+from stack import ROOT, Proc, free_port, http_ok, wait_for
 
 SETUP = ROOT / "tests" / "real_vllm" / "setup.sh"
 # Flags the engine and the filter share: what the model is called and how long it may be.
@@ -84,24 +83,15 @@ def _lent() -> Path | None:
     return None
 
 
-def _wait_for(check, what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not seen within {timeout:.0f} s: {what}")
-        time.sleep(0.2)
-
-
 @functools.cache
 def adapter() -> tuple[str, ...]:
     """``--lora-modules`` for the engine and the filter alike (one adapter per session; with workers,
     the controller's, in the shared folder)."""
-    lent = _lent()
     if _SHARED and _AHEAD:  # the controller, starting the engines
         folder = write_adapter(_SHARED[0] / "lora" / "my-lora")
-    elif lent is not None:  # a worker: the folder the controller writes
+    elif (lent := _lent()) is not None:  # a worker: the folder the controller writes
         folder = lent / "lora" / "my-lora"
-        _wait_for(lambda: (folder / "adapter_config.json").exists(), "the controller's adapter", READY_S)
+        wait_for(lambda: (folder / "adapter_config.json").exists(), "the controller's adapter", READY_S)
     else:
         _FOLDER.append(Path(tempfile.mkdtemp(prefix="derender-lora-")))
         folder = write_adapter(_FOLDER[0] / "my-lora")
@@ -196,8 +186,8 @@ def prestart() -> None:
                 if shared is not None:
                     _write(shared / f"{engine.kind}.error", f"{type(exc).__name__}: {exc}")
 
-    def answer_stops() -> None:  # the workers' requests, while engines start too
-        while shared is not None and not _STOPPING.wait(0.5):
+    def answer_stops(shared: Path) -> None:  # the workers' requests, while engines start too
+        while not _STOPPING.wait(0.5):
             for engine in engines:
                 if not engine.taken and (shared / f"{engine.kind}.stop").exists():
                     engine.taken = True
@@ -206,7 +196,7 @@ def prestart() -> None:
 
     threading.Thread(target=run, name="real-engines", daemon=True).start()
     if shared is not None:
-        threading.Thread(target=answer_stops, name="real-engines-stops", daemon=True).start()
+        threading.Thread(target=answer_stops, args=(shared,), name="real-engines-stops", daemon=True).start()
 
 
 def _write(path: Path, text: str) -> None:
@@ -233,15 +223,15 @@ class LentProc:
 def _take_lent(kind: str, shared: Path):
     spawned, failed = shared / f"{kind}.json", shared / f"{kind}.error"
     try:
-        _wait_for(lambda: spawned.exists() or failed.exists(), f"the controller's {kind} engine spawned", READY_S)
+        wait_for(lambda: spawned.exists() or failed.exists(), f"the controller's {kind} engine spawned", READY_S)
         info = json.loads(spawned.read_text()) if spawned.exists() else {}
-        _wait_for(lambda: failed.exists() or http_ok(info["url"] + "/health"), f"the {kind} engine healthy", READY_S)
+        wait_for(lambda: failed.exists() or http_ok(info["url"] + "/health"), f"the {kind} engine healthy", READY_S)
         if failed.exists():
             raise RuntimeError(f"the {kind} engine did not start: {failed.read_text()}")
         yield LentProc(f"vllm-cpu-{kind}", Path(info["log"])), info["url"]
     finally:
         (shared / f"{kind}.stop").touch()
-        _wait_for(lambda: (shared / f"{kind}.stopped").exists(), f"the {kind} engine stopped", 60)
+        wait_for(lambda: (shared / f"{kind}.stopped").exists(), f"the {kind} engine stopped", 60)
 
 
 def take(kind: str):
