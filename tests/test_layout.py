@@ -3,7 +3,7 @@
 Rooms are stacked in the order the data flows, each importing only rooms below it (function-level
 imports included: a lazy import hides a cycle at load time, not in the design):
 
-    settings.py  <  translate  <  exchange.py  <  ops  <  routing  <  endpoints  <  extproc  <  cli.py, options.py, up.py
+    settings.py  <  translate  <  exchange.py  <  ops  <  routing  <  stages  <  endpoints  <  extproc  <  cli.py, options.py, up.py
 
 ``sim`` (the producer simulator) stands apart: it imports nothing of the filter. A module past 400
 lines says why in its own text. And an endpoint is one module plus one line of the registry. No two
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "filter" / "derender"
-ORDER = ["settings", "translate", "exchange", "ops", "routing", "endpoints", "extproc", "top"]
+ORDER = ["settings", "translate", "exchange", "ops", "routing", "stages", "endpoints", "extproc", "top"]
 
 
 def room(parts: tuple[str, ...]) -> str:

@@ -13,27 +13,27 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from copy import copy
 from typing import Any
 
-from ..exchange import Endpoint, ResponseStart, Rewrite
+from ..exchange import Aborts, Endpoint, ResponseStart, Rewrite
 from ..ops import logs
-from ..routing.producer import GENERATE_PATH, Producer
+from ..routing.producer import GENERATE_PATH
 from ..translate import lean
 from ..translate.collect import Collected
 from ..translate.errors import INCOMPLETE, HTTPError, from_exception
+from ..translate.events import answer_tokens, cached_tokens, has_tokens
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat
 from ..translate.sse import SSEDecoder, SSEError
-from ..translate.stream import ChatStream, cached_tokens, chat_completion, choice_outputs, final_output, has_tokens
+from ..translate.stream import ChatStream, chat_completion, choice_outputs, final_output
 from . import rendertier
-from .budget import Budgeted
-from .lifecycle import ProducerExchange, ms, producer_failure
+from .asked import asked_of, check_size, verify_params
+from .lifecycle import ProducerExchange, producer_failure
 
 log = logging.getLogger("derender.chat")
 
 
-class ChatExchange(Budgeted, ProducerExchange):
+class ChatExchange(ProducerExchange):
     # What differs per endpoint (``completions.CompletionExchange`` swaps them).
     render = staticmethod(render_chat)
     stream_class: Callable[..., Any] = ChatStream  # (model, rendered, ...) -> the stream's state
@@ -41,12 +41,11 @@ class ChatExchange(Budgeted, ProducerExchange):
     full_response: Callable[..., Awaitable[bytes]] = staticmethod(chat_completion)  # final output -> the JSON answer
     endpoint = "chat"
     operation = "chat"
-    producer_cached_tokens: int | None = None  # non-streaming: what the producer's usage says
     # A choice's finish reason as this API writes it to the client (a sampled trace records those;
     # None: the engine's). A JSON string in the answer escapes its quotes: only the field matches.
     client_finish: re.Pattern[bytes] | None = re.compile(rb'"finish_reason":"([a-z_]+)"')
 
-    def __init__(self, model: Model, producer: Producer, x_request_id: str | None) -> None:
+    def __init__(self, model: Model, producer: Aborts, x_request_id: str | None) -> None:
         super().__init__(producer, x_request_id, log)
         self.model = model
         self.rendered: Rendered | None = None
@@ -54,10 +53,10 @@ class ChatExchange(Budgeted, ProducerExchange):
         self._ready: ChatStream | None = None  # built while the producer is reached (``prepare``)
         self._sse = SSEDecoder()
         self._sent: list[bytes] | None = [] if logs.LOG_PROMPTS else None  # client bytes, for --log-prompts
-        self._body_at: float | None = None  # seconds from the request's headers to its body
-        self._render_time: float | None = None
-        self._headers_at: float | None = None  # seconds from the request's headers to the producer's
-        self.client_reasons: list[str] = []  # the finish reasons the client got (sampled traces only)
+        # A key's budget (``stages.budget``): the completion tokens the stream may reach before the
+        # events after them are held for the budget to decide (None: no limit), and those events.
+        self._token_limit: int | None = None
+        self._held: tuple[list[bytes], SSEError | None, bool] | None = None
 
     # -- what the lifecycle needs to know (``ProducerExchange``) ---------------
     @property
@@ -89,21 +88,22 @@ class ChatExchange(Budgeted, ProducerExchange):
     # -- request ---------------------------------------------------------------
     async def request_body(self, body: bytes) -> Rewrite:
         started = time.monotonic()
-        self._body_at = started - self._started
+        report = self.report
+        report.body_at = started - report.started
         try:
             self.rendered = await self.render(self.model, body, self.x_request_id)
             verify_params(self.model, self.rendered)
             check_size(self.model, self.rendered.body)
-            self._render_time = time.monotonic() - started
+            report.render_time = time.monotonic() - started
         except HTTPError as exc:
-            self.client_status = exc.status
-            self.refused(body)
+            self.refused(body, exc.status)
             raise
         except Exception as exc:  # vLLM raises some validation errors (e.g. tool_choice) past pydantic
             error = from_exception(exc)
-            self.client_status = error.status
-            self.refused(body)
+            self.refused(body, error.status)
             raise error from None
+        report.asked = asked_of(self.rendered)
+        report.model = self.rendered.request.model or self.model.name
         return Rewrite(
             body=self.rendered.body,
             path=GENERATE_PATH,
@@ -145,7 +145,7 @@ class ChatExchange(Budgeted, ProducerExchange):
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
         """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
         assert self.rendered is not None
-        self._headers_at = time.monotonic() - self._started
+        self.report.headers_at = time.monotonic() - self.report.started
         self.response_started(status, upstream)
         ready, self._ready = self._ready, None
         if status == 200 and self.rendered.stream:
@@ -192,13 +192,13 @@ class ChatExchange(Budgeted, ProducerExchange):
         return self._events(stream, payloads, bad, end)
 
     def _events(self, stream: ChatStream, payloads: list[bytes], bad: SSEError | None, end: bool) -> bytes:
-        """The producer's events ``payloads`` through the stream -> client bytes; at ``token_limit``
-        completion tokens the rest wait in ``held`` (the key's budget decides: ``resume`` or ``cut``)."""
+        """The producer's events ``payloads`` through the stream -> client bytes; at the token limit
+        the rest are ``held`` (the key's budget decides: ``resume`` or ``cut``)."""
         out: list[bytes] = []
-        limit = self.token_limit
+        limit = self._token_limit
         for k, payload in enumerate(payloads):
             if limit is not None and stream.completion_tokens >= limit and has_tokens(payload) and not stream.finished:
-                self.held = (payloads[k:], bad, end)
+                self._held = (payloads[k:], bad, end)
                 return self._out(stream, out)
             data, abort = stream.feed(payload)
             out.append(data)
@@ -218,10 +218,11 @@ class ChatExchange(Budgeted, ProducerExchange):
         return self._out(stream, out)
 
     def _out(self, stream: ChatStream, out: list[bytes]) -> bytes:
-        if self._first_token is None and stream.completion_tokens:
-            self._first_token = time.monotonic()
+        report = self.report
+        if report.first_token is None and stream.completion_tokens:
+            report.first_token = time.monotonic()
         data = b"".join(out)
-        if self.trace is not None and self.client_finish is not None and any(stream.outputs.reasons):
+        if report.keep_finish_reasons and self.client_finish is not None and any(stream.outputs.reasons):
             self._note_finish(data)  # a choice has finished: its reason is in these bytes or later ones
         if self._sent is not None:
             self._sent.append(data)
@@ -230,7 +231,7 @@ class ChatExchange(Budgeted, ProducerExchange):
     def _note_finish(self, data: bytes) -> None:
         """Keep the finish reasons the client reads in ``data`` (``client_finish``), for the trace."""
         assert self.client_finish is not None
-        self.client_reasons += [m.decode() for m in self.client_finish.findall(data)]
+        self.report.finish_reasons += [m.decode() for m in self.client_finish.findall(data)]
 
     async def _collect(self, collected: Collected, chunk: bytes, end: bool) -> bytes:
         """Non-streaming with stop strings (or a key's budget): nothing until the generation is over,
@@ -238,22 +239,22 @@ class ChatExchange(Budgeted, ProducerExchange):
         return await self._collected(collected, lambda: collected.payloads(chunk, end), end)
 
     async def _collected(self, collected: Collected, payloads: Callable[[], list[bytes]], end: bool) -> bytes:
-        """``_collect``'s events (``payloads()``); at ``token_limit`` completion tokens the rest wait
-        in ``held`` (the key's budget decides: ``resume`` or ``cut``)."""
+        """``_collect``'s events (``payloads()``); at the token limit the rest are ``held`` (the key's
+        budget decides: ``resume`` or ``cut``)."""
         assert self.rendered is not None
         if collected.finished:
             return b""
         try:
-            abort, rest = collected.events(payloads(), self.token_limit)
+            abort, rest = collected.events(payloads(), self._token_limit)
             if abort:
                 self._abort("stop string")
             if rest is not None:
-                self.held = (rest, None, end)
+                self._held = (rest, None, end)
                 return b""
             if collected.final is not None:
                 out = await self.full_response(self.model, self.rendered, collected.final)
                 collected.whole = True
-                if self.trace is not None and self.client_finish is not None:
+                if self.report.keep_finish_reasons and self.client_finish is not None:
                     self._note_finish(out)
             elif not end:
                 return b""
@@ -307,20 +308,21 @@ class ChatExchange(Budgeted, ProducerExchange):
         """Buffered: the producer's whole body -> (client body, new status or None)."""
         assert self.rendered is not None
         self._answered = True
-        if self.status != 200:
-            return self.answer_error(producer_failure(self.status, body)), None
+        report = self.report
+        if report.status != 200:
+            return self.answer_error(producer_failure(report.status, body)), None
         try:
             final = final_output(choice_outputs(self.model, self.rendered, stream=False), body)
             out = await self.full_response(self.model, self.rendered, final)
         except Exception as exc:
             error = self._answer_failed(exc)
-            self.client_status = error.status
+            report.client_status = error.status
             return self.answer_error(error), error.status
-        self._completion_tokens, self.finish_reasons = _token_count(body)
-        if self.trace is not None and self.client_finish is not None:
+        self._completion_tokens, self.finish_reasons = answer_tokens(body)
+        if report.keep_finish_reasons and self.client_finish is not None:
             self._note_finish(out)
         try:
-            self.producer_cached_tokens = cached_tokens(json.loads(body))
+            report.cached_tokens = cached_tokens(json.loads(body))
         except ValueError:
             pass
         if self._sent is not None:
@@ -332,63 +334,67 @@ class ChatExchange(Budgeted, ProducerExchange):
             self._ready.close()
             self._ready = None
 
-    def log_head(self) -> dict[str, Any]:
-        rendered = self.rendered
+    def engine_reasons(self) -> list[str]:
+        stream = self.stream
+        if stream is not None and any(stream.outputs.reasons):
+            return [r for r in stream.outputs.reasons if r]
+        return list(self.finish_reasons)
+
+    def log_fields(self) -> dict[str, object]:
+        stream, rendered = self.stream, self.rendered
+        if isinstance(stream, ChatStream) and stream.producer_cached_tokens is not None:
+            self.report.cached_tokens = stream.producer_cached_tokens
+        if self._sent is None or rendered is None:
+            return {}
+        request = rendered.request
         return {
-            "request_id": rendered.request_id if rendered else None,
-            "x_request_id": self.x_request_id,
-            "model": (rendered.request.model or self.model.name) if rendered else self._asked_model,
+            "prompt": getattr(request, "messages", None) or getattr(request, "prompt", None),
+            "completion": self.completion_texts(b"".join(self._sent), rendered.stream),
         }
 
-    def log_tail(self) -> dict[str, Any]:
+    # -- a key's budget (``stages.budget``) ------------------------------------
+    def limit(self, tokens: int, rewrite: Rewrite, outrun: bool) -> bool:
         rendered = self.rendered
-        tail = {
-            "body_ms": ms(self._body_at),
-            "render_ms": ms(self._render_time),
-            "producer_headers_ms": ms(self._headers_at),
-            **super().log_tail(),
-        }
-        if self._sent is not None and rendered is not None:
-            request = rendered.request
-            tail["prompt"] = getattr(request, "messages", None) or getattr(request, "prompt", None)
-            sent = b"".join(self._sent)
-            tail["completion"] = self.completion_texts(sent, rendered.stream)
-        return tail
+        assert rendered is not None
+        self._token_limit = tokens  # past it, the stream waits for the budget
+        if outrun and not rendered.collect and not rendered.stream:
+            # One JSON answer that may outrun what is reserved: the producer streams it to the
+            # filter, which can end it at the budget.
+            rewrite.body = rendered.as_stream(self.model)
+        return True
 
+    @property
+    def held(self) -> bool:
+        return self._held is not None
 
-def _token_count(body: bytes) -> tuple[int | None, tuple[str, ...]]:
-    """Tokens in a non-streaming producer response (all choices), and the choices' finish reasons."""
-    try:
-        choices = json.loads(body).get("choices") or ()
-        tokens = sum(len(c.get("token_ids") or ()) for c in choices)
-        return tokens, tuple(str(c["finish_reason"]) for c in choices if c.get("finish_reason"))
-    except (ValueError, AttributeError, TypeError):
-        return None, ()
+    async def resume(self, tokens: int) -> bytes:
+        """The events held at the token limit, now that it is ``tokens``."""
+        self._token_limit = tokens
+        stream, held = self.stream, self._held
+        self._held = None
+        if held is None:
+            return b""
+        if isinstance(stream, Collected):
+            return await self._collected(stream, lambda: held[0], held[2])
+        if not isinstance(stream, ChatStream):
+            return b""
+        return self._events(stream, *held)
 
-
-def check_size(model: Model, body: bytes) -> None:
-    """A rendered request larger than the producer body limit is a 413 here, in the client's shape,
-    rather than Envoy's own reply once it overflows its buffer (images: their processed tensors
-    travel in the body, 20-40x the size of the picture)."""
-    if len(body) > model.max_producer_body:
-        raise HTTPError(
-            413,
-            f"The request renders to {len(body)} bytes for the producer (its images' processed "
-            f"tensors), more than this gateway sends ({model.max_producer_body} bytes, "
-            "--max-producer-body-bytes). Send fewer or smaller images.",
-        )
-
-
-def verify_params(model: Model, rendered: object) -> None:
-    """The engine's checks on sampling params (logprobs, logit_bias, stop and allowed token ids).
-
-    A coupled vLLM makes them in its input processor before generating, so a bad request gets a
-    400 rather than a 200 stream that ends in an error. Structured outputs and speculative decoding
-    stay with the producer: it knows its backends.
-    """
-    params = getattr(rendered, "params", None)
-    if params is not None:
-        copy(params).verify(model.model_config, None, None, model.tokenizer)
+    async def cut(self) -> bytes:
+        """End the answer at the tokens generated so far (``ChatStream.cut``; a non-streaming answer:
+        the one JSON answer of those tokens); the producer's request is aborted."""
+        stream = self.stream
+        if isinstance(stream, Collected) and not stream.finished:
+            held, self._held = self._held, None
+            stream.cut()
+            self._abort("quota")
+            return await self._collected(stream, list, True if held is None else held[2])
+        if not isinstance(stream, ChatStream) or stream.finished:
+            return b""
+        self._held = None  # what the producer sent past the budget is dropped
+        out = [stream.cut()]
+        self._abort("quota")
+        return self._out(stream, out)
 
 
 ENDPOINT = Endpoint("/v1/chat/completions", ChatExchange, tier=rendertier.chat_exchange)

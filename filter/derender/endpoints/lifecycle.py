@@ -3,18 +3,19 @@
 ``ProducerExchange`` is the base of the local exchanges (``chat.ChatExchange`` and the
 endpoints built on it) and of render-tier mode's (``rendertier.TierExchange``): the
 producer's status, Envoy giving up, the stall watch, aborting the producer request, a
-failure counted once under its metric, and ``close`` -> one count and one log line
-(``record``). Subclasses say what was sent (``sent``, ``request_id``, ``streamed``,
-``prompt_tokens``) and add their own fields to the log line (``log_head``, ``log_tail``).
+failure counted once under its metric, and ``close`` -> its ``Report`` made final, which the
+stages (``stages``: metrics, the request log, traces) read. Subclasses say what was sent
+(``sent``, ``request_id``, ``streamed``, ``prompt_tokens``) and add their own fields to the log
+line (``log_fields``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import Any
+from typing import Protocol
 
+from ..exchange import Aborts, Report, Rewrite
 from ..ops import metrics
 from ..translate.errors import HTTPError
 from ..translate.stall import StallWatch
@@ -42,37 +43,21 @@ class ProducerExchange:
 
     endpoint = ""  # the log line's message
     operation = ""  # gen_ai.operation.name (OpenTelemetry GenAI conventions), the metrics' label
-    routed: Any = None  # the producer routing's Decision (routing.balance), for the log line
-    trace: Any = None  # the request's ``ops.tracing.RequestTrace`` when traces are exported
     finish_reasons: tuple[str, ...] = ()  # a buffered answer's, per choice (the engine's)
 
-    def __init__(self, producer: Any, x_request_id: str | None, log: logging.Logger) -> None:
+    def __init__(self, producer: Aborts, x_request_id: str | None, log: logging.Logger) -> None:
         self.producer = producer  # a routing Producer or ClusterProducers: where aborts go
         self.x_request_id = x_request_id
         self.log = log
-        self.stream: Any = None  # set once a streamed answer starts; has finished, whole, close()
-        self.status = 0  # the producer's
-        self.client_status = 0  # what the client got
-        self.error: str | None = None  # the first failure (a FAILURES name)
-        self._started = time.monotonic()
-        self._first_token: float | None = None
-        self._aborted = False
+        self.report = Report(name=self.endpoint, operation=self.operation, x_request_id=x_request_id, logger=log.name)
+        self.stream: LiveStream | None = None  # set once a streamed answer starts
         self._answered = False  # a buffered (non-streaming) answer reached the filter whole
-        self._upstream: str | None = None  # the producer replica Envoy reached (UPSTREAM_HEADER)
         self._watch: StallWatch | None = None  # streaming
         self._completion_tokens: int | None = None  # non-streaming: tokens in the producer's body
-        self._asked_model: str | None = None  # a refused request's "model", for its log line
-        self._asked_stream = False  # and whether it asked to stream
 
     @property
-    def upstream(self) -> str | None:
-        """The producer replica Envoy reached, once its response started."""
-        return self._upstream
-
-    @property
-    def aborted(self) -> bool:
-        """The producer was told to stop this request."""
-        return self._aborted
+    def streaming(self) -> bool:
+        return self.stream is not None
 
     # -- what the subclass says ------------------------------------------------
     @property
@@ -93,23 +78,45 @@ class ProducerExchange:
     def prompt_tokens(self) -> int:
         raise NotImplementedError
 
-    def log_head(self) -> dict[str, Any]:
-        """The fields that name the request, first on its log line."""
-        return {"request_id": self.request_id or None if self.sent else None, "x_request_id": self.x_request_id}
+    def log_fields(self) -> dict[str, object]:
+        """The subclass's own fields on the request's log line."""
+        return {}
 
-    def log_tail(self) -> dict[str, Any]:
-        """The fields after the outcome."""
-        return self.routed.fields() if self.routed is not None else {}
+    def engine_reasons(self) -> list[str]:
+        """Each finished choice's reason as the engine gave it."""
+        return list(self.finish_reasons)
 
-    def refused(self, body: bytes) -> None:
+    def refused(self, body: bytes, status: int) -> None:
         """The request was refused before it went on: remember what it asked for the log line."""
-        self._asked_model, self._asked_stream = asked(body)
+        report = self.report
+        report.client_status = status
+        report.asked.model, report.asked.stream = asked(body)
+        report.model = report.asked.model
+
+    # -- what a key's budget may ask (``exchange.Exchange``): not by default -----
+    def limit(self, tokens: int, rewrite: Rewrite, outrun: bool) -> bool:
+        return False
+
+    @property
+    def held(self) -> bool:
+        return False
+
+    @property
+    def generated(self) -> int:
+        return self.completion_tokens or 0
+
+    async def resume(self, tokens: int) -> bytes:
+        return b""
+
+    async def cut(self) -> bytes:
+        return b""
 
     # -- the shared lifecycle --------------------------------------------------
     def response_started(self, status: int, upstream: str | None) -> None:
         """The producer's status; ``upstream``: the replica Envoy reached, where aborts go."""
-        self._upstream = upstream
-        self.status = self.client_status = status
+        report = self.report
+        report.upstream = upstream
+        report.status = report.client_status = status
         if status != 200:
             self._failed("producer_status")
         if status in ENVOY_GAVE_UP:
@@ -126,8 +133,8 @@ class ProducerExchange:
 
     def _failed(self, error: str) -> None:
         """Count the exchange's first failure (a ``FAILURES`` name)."""
-        if self.error is None:
-            self.error = error
+        if self.report.error is None:
+            self.report.error = error
             count, kind = FAILURES[error]
             count(kind)
 
@@ -139,26 +146,27 @@ class ProducerExchange:
         self._abort("stalled")
 
     def _abort(self, why: str) -> None:
-        if self._aborted or not self.sent:
+        if self.report.aborted or not self.sent:
             return
-        self._aborted = True
+        self.report.aborted = True
         request_id = (self.stream and self.stream.producer_request_id) or producer_request_id(
             self.x_request_id, self.request_id
         )
-        self.producer.abort_soon(request_id, why, self._upstream)
+        self.producer.abort_soon(request_id, why, self.report.upstream)
 
     def closing(self) -> None:
         """Subclass work at ``close``, before the producer request is settled."""
 
     def close(self, complete: bool) -> None:
-        """The exchange is over; ``complete`` is False if the client or Envoy cut it.
+        """The exchange is over; ``complete`` is False if the client or Envoy cut it. The report is
+        final: the stages (``stages``) count it, log it and end its trace.
 
         A client that leaves once the stream's last event is out (chat's ``[DONE]``, Messages'
         ``message_stop``, Responses' ``response.completed``), before the producer's body has
         ended, got everything: that exchange is complete, and its producer request is done.
         """
-        stream = self.stream
-        complete = complete or (stream is not None and stream.whole and self.error is None)
+        stream, report = self.stream, self.report
+        complete = complete or (stream is not None and stream.whole and report.error is None)
         if self._watch is not None:
             self._watch.stop()
         self.closing()
@@ -170,29 +178,16 @@ class ProducerExchange:
             # Sent to the producer, never answered: the client left, or Envoy gave up waiting
             # (its idle timeout before the producer's headers). The coupled server aborts too.
             self._abort("no answer")
-        sent = self.sent
-        head = self.log_head()
-        trace = self.trace
-        ids = trace.ids if trace is not None else None
-        if ids is not None:
-            head["trace_id"], head["span_id"] = ids
-        fields = record(
-            self.log,
-            self.endpoint,
-            self.operation,
-            head,
-            self.log_tail(),
-            started=self._started,
-            first_token=self._first_token,
-            error=self.error,
-            complete=complete,
-            client_status=self.client_status,
-            stream=self.streamed if sent else self._asked_stream,
-            prompt_tokens=self.prompt_tokens if sent else None,
-            completion_tokens=self.completion_tokens,
-        )
-        if trace is not None:
-            trace.end(self, fields, self._started, self._first_token)
+        report.complete = complete
+        report.completion_tokens = self.completion_tokens
+        if self.sent:
+            report.sent = True
+            report.request_id = self.request_id or None
+            report.asked.stream = self.streamed
+            report.prompt_tokens = self.prompt_tokens
+        if not report.finish_reasons:
+            report.finish_reasons = self.engine_reasons()
+        report.fields.update(self.log_fields())
 
 
 def asked(body: bytes) -> tuple[str | None, bool]:
@@ -206,61 +201,18 @@ def asked(body: bytes) -> tuple[str | None, bool]:
     return (model[:200] if isinstance(model, str) else None), stream is True
 
 
-def ms(seconds: float | None) -> float | None:
-    return round(seconds * 1000, 1) if seconds is not None else None
+class LiveStream(Protocol):
+    """What the lifecycle reads of a streamed answer's state (``translate.stream.ChatStream``,
+    ``translate.collect.Collected``, render-tier mode's ``TierStream``)."""
 
+    producer_request_id: str | None
+    completion_tokens: int
+    finished: bool
 
-def record(
-    logger: logging.Logger,
-    endpoint: str,
-    operation: str,
-    head: dict[str, Any],
-    tail: dict[str, Any],
-    *,
-    started: float,
-    first_token: float | None,
-    error: str | None,
-    complete: bool,
-    client_status: int,
-    stream: bool,
-    prompt_tokens: int | None,
-    completion_tokens: int | None,
-) -> dict[str, Any]:
-    """Count one finished exchange and write its one log line (``head``, the outcome, ``tail``);
-    the line's fields.
+    @property
+    def whole(self) -> bool: ...
 
-    ``head`` names the request (``request_id``, ``x_request_id``, ``model``, ...); ``prompt_tokens``
-    None means it never reached a producer: logged, not counted.
-    """
-    elapsed = time.monotonic() - started
-    ttft = first_token - started if first_token is not None else None
-    error = error or (None if complete else "cancelled")
-    if error is None and client_status >= 400:
-        error = str(client_status)
-    if prompt_tokens is not None:
-        metrics.chat_done(
-            operation,
-            head.get("model") or "",
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            duration=elapsed,
-            time_to_first_token=ttft,
-            error_type=error or "",
-        )
-    fields = {
-        **head,
-        "status": client_status,
-        "stream": stream,
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "complete": complete,
-        "error": error,
-        "duration_ms": ms(elapsed),
-        "ttft_ms": ms(ttft),
-        **tail,
-    }
-    logger.info(endpoint, extra={"fields": fields})
-    return fields
+    def close(self) -> None: ...
 
 
 def producer_request_id(x_request_id: str | None, request_id: str) -> str:

@@ -327,6 +327,7 @@ class CountTokensExchange(Answered):
     """``/v1/messages/count_tokens``: the rendered prompt's length, answered by the filter itself."""
 
     def __init__(self, model: Model, producer: Any, x_request_id: str | None) -> None:
+        super().__init__()
         self.model = model  # the producer is not asked
         self.x_request_id = x_request_id
 

@@ -11,6 +11,7 @@ it on to that model's producers.
 from __future__ import annotations
 
 from ..exchange import Endpoint
+from ..stages import Stage, budget, metrics, requestlog, routing, tracing
 from ..translate.errors import HTTPError
 from . import chat, completions, messages, responses, tokenization
 
@@ -26,6 +27,18 @@ ENDPOINTS: dict[str, Endpoint] = {
         tokenization.DETOKENIZE,
     )
 }
+
+
+def stages(budgets: budget.Budgets) -> list[Stage]:
+    """The stages around every request, in the order they run (``stages``): a new stage is its
+    module in ``stages/`` plus its line here."""
+    return [
+        budgets,  # admit: reserve the key's tokens, or refuse (before anything is routed)
+        routing.Routing(),  # admit: the producer replica
+        tracing.Tracing(),  # admit: the producer request continues the trace
+        metrics.Metrics(),
+        requestlog.RequestLog(),
+    ]
 
 
 def shaped(path: str, exc: HTTPError) -> HTTPError:

@@ -40,8 +40,8 @@ from typing import Any
 
 import orjson
 
-from ..exchange import Answered, Exchange, Reply, ResponseStart, Rewrite
-from ..routing.producer import GENERATE_PATH, Producer
+from ..exchange import Aborts, Answered, Exchange, RenderTierClient, Reply, ResponseStart, Rewrite
+from ..routing.producer import GENERATE_PATH
 from ..translate import vllm_seams
 from ..translate.errors import INCOMPLETE, ONE_PROMPT, HTTPError, dumps, error_body, error_event
 from ..translate.sse import SSEDecoder
@@ -93,11 +93,12 @@ class TierStream:
 class TierExchange(ProducerExchange):
     """One chat or completions exchange whose rendering and derendering the render tier does."""
 
-    def __init__(self, tier: RenderTier, paths: TierPaths, producer: Producer, x_request_id: str | None) -> None:
+    def __init__(self, tier: RenderTier, paths: TierPaths, producer: Aborts, x_request_id: str | None) -> None:
         super().__init__(producer, x_request_id, log)
         self.tier = tier
         self.paths = paths
         self.endpoint, self.operation = paths.name, paths.operation
+        self.report.name, self.report.operation = paths.name, paths.operation
         self.client_request: Any = None
         self.generate: dict[str, Any] = {}
         self.stream: TierStream | None = None
@@ -116,14 +117,8 @@ class TierExchange(ProducerExchange):
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def log_head(self) -> dict[str, Any]:
-        model = self.client_request.get("model") if isinstance(self.client_request, dict) else None
-        return {
-            "request_id": self.request_id or None,
-            "x_request_id": self.x_request_id,
-            "model": model or self.generate.get("model") or self._asked_model,
-            "render_tier": self.tier.url,
-        }
+    def log_fields(self) -> dict[str, object]:
+        return {"render_tier": self.tier.url}
 
     @property
     def request_id(self) -> str:
@@ -138,8 +133,7 @@ class TierExchange(ProducerExchange):
         try:
             return await self._render(body)
         except HTTPError as exc:
-            self.client_status = exc.status
-            self.refused(body)
+            self.refused(body, exc.status)
             raise
 
     async def _render(self, body: bytes) -> Rewrite:
@@ -166,6 +160,7 @@ class TierExchange(ProducerExchange):
             params.update(stop=[], include_stop_str_in_output=False)
             params.pop("output_text_buffer_length", None)
         self.generate = generate
+        self.report.model = self.client_request.get("model") or generate.get("model")
         return Rewrite(
             body=orjson.dumps(generate),
             path=GENERATE_PATH,
@@ -207,8 +202,8 @@ class TierExchange(ProducerExchange):
             out.append(await self._event(payload))
         if end:
             out.append(self._end())
-        if self._first_token is None and self.stream.completion_tokens:
-            self._first_token = time.monotonic()
+        if self.report.first_token is None and self.stream.completion_tokens:
+            self.report.first_token = time.monotonic()
         return b"".join(out)
 
     async def _event(self, payload: bytes) -> bytes:
@@ -320,14 +315,14 @@ class TierExchange(ProducerExchange):
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
         """Buffered: the producer's whole body -> (client body, new status or None)."""
         self._answered = True
-        if self.status != 200:
-            return producer_error(self.status, body), None
+        if self.report.status != 200:
+            return producer_error(self.report.status, body), None
         try:
             response = orjson.loads(body)
             self._completion_tokens = sum(len(c.get("token_ids") or ()) for c in response.get("choices") or ())
         except (ValueError, AttributeError, TypeError) as exc:
             self._failed("parser_response")
-            self.client_status = 502
+            self.report.client_status = 502
             return error_body(502, f"invalid producer response: {exc}"), 502
         ids, prompt_tokens = self.prompt_token_ids, len(self.prompt_token_ids)
         # vLLM's non-streaming chat derender gives its parser the response's own prompt_token_ids,
@@ -344,7 +339,7 @@ class TierExchange(ProducerExchange):
         if status != 200:
             error = tier_error(status, data)
             self._failed("parser_render_tier")
-            self.client_status = error.status
+            self.report.client_status = error.status
             return error.body(), error.status
         result = orjson.loads(data)
         result["id"] = self.request_id
@@ -359,6 +354,7 @@ class TierPassThrough(Answered):
     """``/tokenize`` and ``/detokenize``: the render tier's own answer, as an immediate reply."""
 
     def __init__(self, tier: RenderTier, path: str, x_request_id: str | None) -> None:
+        super().__init__()
         self.tier = tier
         self.path = path
         self.x_request_id = x_request_id
@@ -373,14 +369,21 @@ class TierPassThrough(Answered):
 
 # What render-tier mode makes of a request, for the endpoints that name one as their ``Endpoint.tier``:
 # (tier, producer, x-request-id) -> the exchange. The others answer their ``not_in_tier`` (501).
-def chat_exchange(tier: RenderTier, producer: Any, x_request_id: str | None) -> Exchange:
+def chat_exchange(tier: RenderTierClient, producer: Aborts, x_request_id: str | None) -> Exchange:
+    assert isinstance(tier, RenderTier)
     return TierExchange(tier, CHAT, producer, x_request_id)
 
 
-def completion_exchange(tier: RenderTier, producer: Any, x_request_id: str | None) -> Exchange:
+def completion_exchange(tier: RenderTierClient, producer: Aborts, x_request_id: str | None) -> Exchange:
+    assert isinstance(tier, RenderTier)
     return TierExchange(tier, COMPLETION, producer, x_request_id)
 
 
-def pass_through(path: str) -> Callable[[RenderTier, Any, str | None], Exchange]:
+def pass_through(path: str) -> Callable[[RenderTierClient, Aborts, str | None], Exchange]:
     """The tier's own answer to ``path`` (``/tokenize``, ``/detokenize``)."""
-    return lambda tier, producer, x_request_id: TierPassThrough(tier, path, x_request_id)
+
+    def answer(tier: RenderTierClient, producer: Aborts, x_request_id: str | None) -> Exchange:
+        assert isinstance(tier, RenderTier)
+        return TierPassThrough(tier, path, x_request_id)
+
+    return answer

@@ -13,29 +13,27 @@ that routing (``routing.balance``) chose. Health and models are answered at once
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from typing import Any
 from urllib.parse import unquote
 
 import orjson
 
-from ..exchange import Answered, Endpoint, Exchange, Reply, ResponseStart, Rewrite
-from ..ops import metrics, quota
-from ..routing.balance import Balancer, Decision, RoutingSpec
+from ..exchange import Answered, Endpoint, Exchange, Reply, Report, ResponseStart, Rewrite
+from ..ops import quota
+from ..routing.balance import Balancer, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
 from ..routing.producer import Producer
+from ..stages import Pipeline, RequestContext
+from ..stages.budget import Budgets
 from ..translate.errors import HTTPError, dumps
 from ..translate.model import Model
 from . import rendertier
 from .completions import serving_completion
-from .registry import ENDPOINTS
+from .registry import ENDPOINTS, stages
 
 log = logging.getLogger("derender.router")
 MODELS_PATH = "/v1/models"
-ASKED_MAX = frozenset(("max_tokens", "max_completion_tokens", "max_output_tokens"))  # a client's own cap
-_SETTLING: set[asyncio.Task] = set()  # quota settlements under way (a reference keeps each alive)
 PRIORITY_HEADER = "x-vllm-priority"  # vLLM's PRIORITY_HEADER, which its coupled server reads over the body's
 
 
@@ -119,151 +117,62 @@ class NotServed(Answered):
         return Reply.error(self.error)
 
 
-UNROUTED = Answered()  # ModelExchange's inner exchange before the body is in
-
-
 class ModelExchange:
-    """Picks the backend from the body's ``model``, then hands everything to its exchange."""
+    """One request through the pipeline: picks the backend from the body's ``model``, hands the
+    request to that backend's exchange for the endpoint, and runs the stages around it."""
 
-    def __init__(
-        self, router: Router, endpoint: Endpoint, x_request_id: str | None, priority: str | None = None
-    ) -> None:
+    def __init__(self, router: Router, ctx: RequestContext) -> None:
         self.router = router
-        self.endpoint = endpoint
-        self.x_request_id = x_request_id
-        self.priority = priority  # the client's X-Vllm-Priority header, if any
-        self.inner: Exchange = UNROUTED  # the backend's exchange, once the body named the model
-        self.routed: Decision | None = None
-        self.balancer: Balancer | None = None
-        self.decision: Decision | None = None
-        self.trace: Any = None  # the request's trace (``ops.tracing``), handed to its exchange
-        self.account: quota.Account | None = None  # the key's budgets (``--quota-config``), if any apply
+        self.pipeline = router.pipeline
+        self.ctx = ctx
 
     @property
-    def stream(self) -> Any:
-        return self.inner.stream
+    def report(self) -> Report:
+        return self.ctx.exchange.report
+
+    @property
+    def streaming(self) -> bool:
+        return self.ctx.exchange.streaming
 
     async def request_body(self, body: bytes) -> Rewrite | Reply:
+        ctx = self.ctx
+        endpoint = ctx.endpoint
         try:
             backend = self.router.backend_for(body)
         except HTTPError as exc:
-            raise self.endpoint.error(exc) from None
-        self.inner = backend.exchange(self.endpoint, self.x_request_id)
-        if self.trace is not None and hasattr(self.inner, "trace"):
-            self.inner.trace = self.trace  # that exchange ends it
-        result = await self.inner.request_body(body)
-        if isinstance(result, Rewrite) and self.account is not None:
-            refused = await self._reserve(result)
-            if refused is not None:
-                return refused
+            raise endpoint.error(exc) from None
+        ctx.exchange = backend.exchange(endpoint, ctx.x_request_id)
+        ctx.balancer = backend.balancer
+        result = await ctx.exchange.request_body(body)
         if isinstance(result, Rewrite):
-            with_priority(result, self.priority)
+            with_priority(result, ctx.headers.get(PRIORITY_HEADER))
             result.set_headers[CLUSTER_HEADER] = backend.cluster
             # Envoy's access log prints this header in place of the rewritten path when present:
             # there, requests read as what the client asked for, not all as /inference/v1/generate.
-            result.set_headers["x-envoy-original-path"] = self.endpoint.path
-            if backend.balancer is not None:
-                began = time.thread_time()
-                headers, self.decision = backend.balancer.route(
-                    result.prompt_ids, result.cache_salt, result.lora, result.media
-                )
-                self.decision.cpu_us = (time.thread_time() - began) * 1e6
-                result.set_headers.update(headers)
-                result.destination = self.decision.chosen
-                self.balancer = backend.balancer
+            result.set_headers["x-envoy-original-path"] = endpoint.path
+            refused = await self.pipeline.admit(ctx, result)
+            if refused is not None:
+                return refused
         return result
 
-    async def _reserve(self, rewrite: Rewrite) -> Reply | None:
-        """Reserve the request's prompt and completion tokens on its key's budgets; the 429 (or the
-        503 when the quota store is down and the file says closed) that refuses it, or None."""
-        account = self.account
-        assert account is not None
-        rendered = getattr(self.inner, "rendered", None)
-        request, params = getattr(rendered, "request", None), getattr(rendered, "params", None)
-        prompt = (
-            len(rewrite.prompt_ids) if rewrite.prompt_ids is not None else int(getattr(self.inner, "prompt_tokens", 0))
-        )
-        reservation = account.quotas.config.reservation
-        n = getattr(params, "n", 1) or 1
-        most = getattr(params, "max_tokens", None)
-        asked = bool(ASKED_MAX & set(getattr(request, "model_fields_set", ()) or ()))
-        completion = most if most is not None and asked else min(most or reservation, reservation)
-        cap = account.quotas.config.max_reservation
-        completion = n * (min(completion, cap) if cap else completion)
-        model = getattr(request, "model", None)
-        try:
-            decision = await account.reserve(model if isinstance(model, str) else None, prompt, completion)
-        except quota.QuotaUnavailable as exc:
-            self.account = None
-            return Reply.error(self.endpoint.error(HTTPError(503, str(exc))))
-        if decision is None:
-            if account.active and hasattr(self.inner, "token_limit"):
-                self.inner.token_limit = account.covered  # past it, the stream waits for the budget
-                if (
-                    rendered is not None
-                    and not rendered.collect
-                    and not rendered.stream
-                    and completion < n * (most or 0)
-                ):
-                    # One JSON answer that may outrun what is reserved: the producer streams it to
-                    # the filter, which can end it at the budget.
-                    rewrite.body = rendered.as_stream(self.inner.model)  # type: ignore[attr-defined]
-            return None
-        self.account = None  # nothing reserved: nothing to settle
-        self.inner.client_status = 429  # type: ignore[attr-defined]  # the request log's status
-        error = HTTPError(429, quota.refusal_message(decision), "rate_limit_exceeded")
-        if self.endpoint.anthropic:
-            error = HTTPError(429, error.message, "rate_limit_error")
-        return Reply.error(self.endpoint.error(error), quota.headers(decision, self.endpoint.anthropic))
-
     def response_headers(self, status: int, upstream: str | None = None) -> ResponseStart:
-        if self.balancer is not None and self.decision is not None:
-            self.balancer.started(self.decision, upstream, status)
-            self.routed = self.inner.routed = self.decision
-        start = self.inner.response_headers(status, upstream)
-        if self.account is not None:
-            start.set_headers.update(quota.headers(self.account.decision, self.endpoint.anthropic))
+        start = self.ctx.exchange.response_headers(status, upstream)
+        self.pipeline.started(self.ctx, start)
         return start
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        out = await self.inner.response_chunk(chunk, end)
-        account = self.account
-        inner: Any = self.inner
-        while account is not None and getattr(inner, "held", None) is not None:
-            # The stream reached the tokens its reservation covers: more if the budget has them.
-            if await account.extend(inner.stream.completion_tokens + 1):
-                inner.token_limit = account.covered
-                out += await inner.resume()
-            else:
-                # The budget ends the stream here, as max_tokens would have.
-                metrics.QUOTA_CUTS.labels(account.ident).inc()
-                out += await inner.cut()
+        ctx = self.ctx
+        out = await ctx.exchange.response_chunk(chunk, end)
+        for hook in ctx.on_chunk:
+            out = await hook(ctx, out)
         return out
 
     async def response_body(self, body: bytes) -> tuple[bytes, int | None]:
-        return await self.inner.response_body(body)
+        return await self.ctx.exchange.response_body(body)
 
     def close(self, complete: bool) -> None:
-        if self.balancer is not None and self.decision is not None:
-            self.balancer.finished(self.decision)
-            d, inner = self.decision, self.inner
-            cached = getattr(getattr(inner, "stream", None), "producer_cached_tokens", None)
-            metrics.routed(
-                d.mode,
-                d.why or "key",
-                d.served,
-                d.prompt_tokens,
-                cached if cached is not None else getattr(inner, "producer_cached_tokens", None),
-            )
-        self.inner.close(complete)
-        account = self.account
-        if account is not None and account.active:
-            used = getattr(self.inner, "completion_tokens", None)  # a ProducerExchange's
-            task = asyncio.get_running_loop().create_task(account.settle(used or 0))
-            _SETTLING.add(task)
-            task.add_done_callback(_SETTLING.discard)
-        if self.trace is not None and getattr(self.inner, "trace", None) is not self.trace:  # none took it
-            self.trace.end(self.inner, {"status": 0, "complete": complete}, 0.0, None)
+        self.ctx.exchange.close(complete)
+        self.pipeline.end(self.ctx)
 
 
 class Router:
@@ -282,7 +191,8 @@ class Router:
         routing: RoutingSpec | None = None,
         quotas: quota.Quotas | None = None,
     ) -> None:
-        self.quotas = quotas  # token budgets per API key (``--quota-config``), or None
+        self.budgets = Budgets(quotas)  # token budgets per API key (``--quota-config``)
+        self.pipeline = Pipeline(stages(self.budgets))
         if isinstance(served, Backend):
             served = [served]
         elif not isinstance(served, list):
@@ -313,7 +223,7 @@ class Router:
             quotas.succeed(self.quotas)
         elif self.quotas is not None:
             self.quotas.connection.retire()
-        self.quotas = quotas
+        self.budgets.quotas = quotas
         log.info("SIGHUP: quota file %s reloaded", settings.quota_config)
 
     def backend_for(self, body: bytes) -> Backend:
@@ -331,7 +241,16 @@ class Router:
             raise model_not_found(name, list(self.by_name))
         return backend
 
-    async def route(self, headers: dict[str, str], end_of_stream: bool) -> ModelExchange | Reply:
+    @property
+    def quotas(self) -> quota.Quotas | None:
+        """Token budgets per API key (``--quota-config``), or None."""
+        return self.budgets.quotas
+
+    async def route(
+        self, headers: dict[str, str], end_of_stream: bool, stream_headers: dict[str, str] | None = None
+    ) -> ModelExchange | Reply:
+        """The exchange of a request with these headers, or the answer the filter gives itself.
+        ``stream_headers``: the ext_proc stream's own (Envoy's trace context, for ``stages.tracing``)."""
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
         try:
@@ -341,10 +260,9 @@ class Router:
                     return Reply.error(HTTPError(405, f"Method {method} not allowed for {path}"))
                 if end_of_stream:
                     return Reply.error(HTTPError(400, "The request body is empty: a JSON request body is required"))
-                exchange = ModelExchange(self, endpoint, headers.get("x-request-id"), headers.get(PRIORITY_HEADER))
-                if self.quotas is not None:
-                    exchange.account = quota.Account.of(self.quotas, headers)
-                return exchange
+                ctx = RequestContext(endpoint, headers, stream_headers or {})
+                self.pipeline.begin(ctx)
+                return ModelExchange(self, ctx)
             if path in ("/health", "/ping") and method == "GET":
                 return Reply(200, b"")
             if path == MODELS_PATH and method == "GET":

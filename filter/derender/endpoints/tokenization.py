@@ -29,6 +29,7 @@ class TokenizationExchange(Answered):
     """One ``/tokenize`` or ``/detokenize`` request; never reaches a producer."""
 
     def __init__(self, model: Model, path: str, x_request_id: str | None) -> None:
+        super().__init__()
         self.model = model
         self.path = path
         self.x_request_id = x_request_id

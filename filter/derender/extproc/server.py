@@ -26,8 +26,8 @@ from envoy.type.v3 import http_status_pb2
 from grpc.aio import EOF
 
 from ..endpoints import registry
-from ..endpoints.router import Router
-from ..exchange import Exchange, Reply, ResponseStart, Rewrite
+from ..endpoints.router import ModelExchange, Router
+from ..exchange import Reply, ResponseStart, Rewrite
 from ..ops import auth, loopwatch, metrics, quota, tracing
 from ..ops.warmup import warm_up
 from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE, RoutingSpec
@@ -133,7 +133,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> None:
         """One ext_proc stream: ``read`` the next message (``grpc.aio.EOF`` at the end), ``write`` a reply.
         Either transport's entry: grpc.aio's through ``Process``, ``http2``'s directly."""
-        exchange: Exchange | None = None
+        exchange: ModelExchange | None = None
         complete = False
         rewritten = False  # the request went on to a producer
         self.active += 1
@@ -150,14 +150,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         complete = True
                         await write(_error(registry.shaped(headers.get(":path", "/"), denied)))
                         return
-                    routed = await self.router.route(headers, message.request_headers.end_of_stream)
+                    routed = await self.router.route(
+                        headers, message.request_headers.end_of_stream, http2.TRACE_CONTEXT.get()
+                    )
                     if isinstance(routed, Reply):
                         complete = True
                         await write(immediate(routed.status, routed.body, routed.content_type, routed.headers))
                         return
                     exchange = routed
-                    if tracing.enabled() and hasattr(exchange, "trace"):
-                        exchange.trace = tracing.begin(headers, http2.TRACE_CONTEXT.get())
                     await write(self._request_headers(headers))
                 elif kind == "request_body" and exchange is not None and not rewritten:
                     try:
@@ -176,9 +176,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         await write(immediate(rewrite.status, rewrite.body, rewrite.content_type, rewrite.headers))
                         return
                     rewritten = True
-                    trace = getattr(exchange, "trace", None)
-                    if trace is not None:  # the producer's request continues the trace
-                        rewrite.set_headers.update(trace.sent())
                     await write(self._request_rewrite(rewrite))
                     if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
                         rewrite.then()
@@ -196,7 +193,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     await write(self._response_start(start))
                 elif kind == "response_body" and exchange is not None:
                     body = message.response_body
-                    if exchange.stream is not None:
+                    if exchange.streaming:
                         out = await exchange.response_chunk(body.body, body.end_of_stream)
                         common = pb.CommonResponse(body_mutation=_body_mutation(out))
                     else:

@@ -29,6 +29,8 @@ import os
 import time
 from typing import Any
 
+from ..exchange import Report
+
 log = logging.getLogger("derender.tracing")
 
 SEMCONV = "1.37.0"  # the OpenTelemetry semantic conventions the attributes follow
@@ -153,9 +155,9 @@ class RequestTrace:
         _propagator().inject(headers, context=set_span_in_context(self.producer))
         return headers
 
-    def end(self, exchange: Any, fields: dict[str, Any], started: float, first_token: float | None) -> None:
-        """The request is over: its attributes and child spans from what the exchange kept
-        (``fields``: its log line's), then every span ends."""
+    def end(self, report: Report, route: dict[str, object] | None) -> None:
+        """The request is over: its attributes and child spans from its exchange's final ``report``
+        and the routing decision's fields (``route``), then every span ends."""
         span = self.span
         if not span.is_recording():
             if self.producer is not None:
@@ -165,72 +167,68 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
 
         now_mono, now_ns = time.monotonic(), time.time_ns()
-        operation = getattr(exchange, "operation", "") or "request"
-        model = fields.get("model")
+        started, first_token = report.started, report.first_token
+        operation = report.operation or "request"
+        model = report.model
         span.update_name(f"{operation} {model}" if model else operation)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": "vllm",
-            "derender.endpoint": getattr(exchange, "endpoint", ""),
-            "derender.stream": bool(fields.get("stream")),
-            "derender.complete": bool(fields.get("complete")),
-            "http.response.status_code": int(fields.get("status") or 0),
+            "derender.endpoint": report.name,
+            "derender.stream": report.asked.stream,
+            "derender.complete": report.complete,
+            "http.response.status_code": report.client_status,
         }
         if model:
             attributes["gen_ai.request.model"] = model
-        request_id = fields.get("request_id")
-        if request_id:
-            attributes["gen_ai.response.id"] = request_id
-        if fields.get("x_request_id"):
-            attributes["derender.x_request_id"] = fields["x_request_id"]
-        if fields.get("prompt_tokens") is not None:
-            attributes["gen_ai.usage.input_tokens"] = fields["prompt_tokens"]
-        if fields.get("completion_tokens") is not None:
-            attributes["gen_ai.usage.output_tokens"] = fields["completion_tokens"]
-        reasons = finish_reasons(exchange)
-        if reasons:
-            attributes["gen_ai.response.finish_reasons"] = reasons
-        if fields.get("ttft_ms") is not None:
-            attributes["derender.time_to_first_chunk_ms"] = fields["ttft_ms"]
-        attributes.update(request_attributes(exchange))
-        error = fields.get("error")
+        if report.request_id:
+            attributes["gen_ai.response.id"] = report.request_id
+        if report.x_request_id:
+            attributes["derender.x_request_id"] = report.x_request_id
+        if report.prompt_tokens is not None:
+            attributes["gen_ai.usage.input_tokens"] = report.prompt_tokens
+        if report.completion_tokens is not None:
+            attributes["gen_ai.usage.output_tokens"] = report.completion_tokens
+        if report.finish_reasons:
+            attributes["gen_ai.response.finish_reasons"] = list(report.finish_reasons)
+        if first_token is not None:
+            attributes["derender.time_to_first_chunk_ms"] = round((first_token - started) * 1000, 1)
+        attributes.update(report.asked.sampling)
+        error = report.outcome if report.name else None
         if error:
             attributes["error.type"] = error
             span.set_status(Status(StatusCode.ERROR, str(error)))
         span.set_attributes(attributes)
 
         parent = set_span_in_context(span)
-        body_at, render_time = fields.get("body_ms"), fields.get("render_ms")
-        if body_at is not None and render_time is not None:
-            render_start = started + body_at / 1000
+        if report.body_at is not None and report.render_time is not None:
+            render_start = started + report.body_at
             render = self.tracer.start_span(
                 "render", context=parent, start_time=_ns(render_start, now_mono, now_ns), kind=SpanKind.INTERNAL
             )
             render.set_attributes(
                 {
-                    "gen_ai.usage.input_tokens": fields.get("prompt_tokens") or 0,
-                    "derender.images": len(getattr(getattr(exchange, "rendered", None), "media", ()) or ()),
-                    "derender.render_ms": render_time,
+                    "gen_ai.usage.input_tokens": report.prompt_tokens or 0,
+                    "derender.images": report.asked.images,
+                    "derender.render_ms": round(report.render_time * 1000, 1),
                 }
             )
-            render.end(end_time=_ns(render_start + render_time / 1000, now_mono, now_ns))
-        routed = getattr(exchange, "routed", None)
-        upstream = getattr(exchange, "upstream", None)
-        if self.producer is not None:
-            # The decision of --routing (its mode, key blocks, replica), else Envoy's load balancer's.
-            at = _ns(self._sent_at, now_mono, now_ns)
-            route = self.tracer.start_span("route", context=parent, start_time=at, kind=SpanKind.INTERNAL)
-            chosen = routed.fields() if routed is not None else {"routing": "envoy", "replica": upstream}
-            route.set_attributes({f"derender.{k}": v for k, v in chosen.items() if v is not None})
-            route.end(end_time=at)
+            render.end(end_time=_ns(render_start + report.render_time, now_mono, now_ns))
+        upstream = report.upstream
         producer = self.producer
         if producer is not None:
-            headers_ms = fields.get("producer_headers_ms")
-            if headers_ms is not None:
-                producer.add_event("response_headers", timestamp=_ns(started + headers_ms / 1000, now_mono, now_ns))
+            # The decision of --routing (its mode, key blocks, replica), else Envoy's load balancer's.
+            at = _ns(self._sent_at, now_mono, now_ns)
+            route_span = self.tracer.start_span("route", context=parent, start_time=at, kind=SpanKind.INTERNAL)
+            chosen = route if route is not None else {"routing": "envoy", "replica": upstream}
+            route_span.set_attributes({f"derender.{k}": v for k, v in chosen.items() if v is not None})
+            route_span.end(end_time=at)
+            headers_at = report.headers_at
+            if headers_at is not None:
+                producer.add_event("response_headers", timestamp=_ns(started + headers_at, now_mono, now_ns))
             if first_token is not None:
                 producer.add_event("first_token", timestamp=_ns(first_token, now_mono, now_ns))
-            status = getattr(exchange, "status", 0)
+            status = report.status
             producer_attributes: dict[str, Any] = {"http.request.method": "POST"}
             if status:
                 producer_attributes["http.response.status_code"] = status
@@ -239,56 +237,16 @@ class RequestTrace:
                 producer_attributes["server.address"] = host
                 if port.isdigit():
                     producer_attributes["server.port"] = int(port)
-            if headers_ms is not None:
+            if headers_at is not None:
                 producer_attributes["derender.producer.headers_ms"] = round(
-                    headers_ms - (self._sent_at - started) * 1000, 1
+                    (headers_at - (self._sent_at - started)) * 1000, 1
                 )
             if first_token is not None:
                 producer_attributes["derender.producer.first_token_ms"] = round((first_token - self._sent_at) * 1000, 1)
-            if getattr(exchange, "aborted", False):
+            if report.aborted:
                 producer_attributes["derender.producer.aborted"] = True
             producer.set_attributes(producer_attributes)
             if status and status != 200:
                 producer.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
             producer.end()
         span.end()
-
-
-def request_attributes(exchange: Any) -> dict[str, Any]:
-    """The GenAI request attributes of what the client asked (``gen_ai.request.*``)."""
-    rendered = getattr(exchange, "rendered", None)
-    request = getattr(rendered, "request", None)
-    if request is None:
-        return {}
-    out: dict[str, Any] = {}
-    for name, attribute in (
-        ("max_completion_tokens", "gen_ai.request.max_tokens"),
-        ("max_tokens", "gen_ai.request.max_tokens"),
-        ("temperature", "gen_ai.request.temperature"),
-        ("top_p", "gen_ai.request.top_p"),
-        ("top_k", "gen_ai.request.top_k"),
-        ("seed", "gen_ai.request.seed"),
-        ("frequency_penalty", "gen_ai.request.frequency_penalty"),
-        ("presence_penalty", "gen_ai.request.presence_penalty"),
-    ):
-        value = getattr(request, name, None)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and attribute not in out:
-            out[attribute] = value
-    n = getattr(request, "n", None)
-    if isinstance(n, int) and n != 1:
-        out["gen_ai.request.choice.count"] = n
-    return out
-
-
-def finish_reasons(exchange: Any) -> list[str]:
-    """Each finished choice's reason (``gen_ai.response.finish_reasons``): as the client read it
-    (``tool_calls``, Messages' ``end_turn``, ...) where its API has one, else the engine's."""
-    client = getattr(exchange, "client_reasons", None)
-    if client:
-        return list(client)
-    stream = getattr(exchange, "stream", None)
-    outputs = getattr(stream, "outputs", None)
-    reasons = getattr(outputs, "reasons", None)
-    if reasons:
-        return [r for r in reasons if r]
-    return list(getattr(exchange, "finish_reasons", None) or ())

@@ -21,11 +21,12 @@ import json
 from typing import Any
 
 from .errors import HTTPError
+from .events import LENGTH_CUT, has_tokens, producer_error_event, step_event
 from .model import Model
 from .outputs import ProducerError
 from .render import Rendered
 from .sse import SSEDecoder, SSEError
-from .stream import choice_outputs, has_tokens, producer_error_event, step_event
+from .stream import choice_outputs
 
 
 class Collected:
@@ -72,18 +73,20 @@ class Collected:
         """End every unfinished choice here, as the engine ends one at ``max_tokens`` (``length``)."""
         for index, done in enumerate(self.outputs.finished):
             if not done:
-                event: dict[str, Any] = {
-                    "request_id": self.producer_request_id,
-                    "usage": None,
-                    "choices": [{"index": index, "finish_reason": "length", "stop_reason": None, "token_ids": []}],
-                }
-                self._event(json.dumps(event).encode())
+                self._take({"request_id": self.producer_request_id, "choices": [LENGTH_CUT | {"index": index}]})
 
     def _event(self, payload: bytes) -> bool:
         if payload == b"[DONE]" or self.outputs.done:
             return False
         try:
             event = json.loads(payload)
+        except ValueError as exc:
+            raise HTTPError(502, f"invalid producer event: {exc}") from None
+        return self._take(event)
+
+    def _take(self, event: Any) -> bool:
+        """One producer event, parsed: True if the producer must be aborted now."""
+        try:
             if isinstance(event, dict) and "error" in event:
                 raise producer_error_event(event["error"])
             finals, abort, tokens = step_event(self.outputs, event)

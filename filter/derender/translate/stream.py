@@ -17,6 +17,7 @@ from typing import Any
 
 from . import vllm_seams
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
+from .events import LENGTH_CUT, cached_tokens, producer_error_event, step_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
 from .render import Rendered
@@ -127,15 +128,19 @@ class ChatStream:
             return self.end(), False
         try:
             event = json.loads(payload)
+        except ValueError as exc:
+            return self.fail(502, f"invalid producer event: {exc}"), False
+        return self.take(event)
+
+    def take(self, event: Any) -> tuple[bytes, bool]:
+        """One producer event, parsed -> (client bytes, abort producer?)."""
+        try:
             if not isinstance(event, dict):
                 raise ProducerError("producer event is not a JSON object")
             if "error" in event:
                 return self._fail_with_producer_error(event["error"]), False
             if event.get("usage") and not event.get("choices"):  # the producer's final usage event
-                self.producer_cached_tokens = cached_tokens(event)
-                self._usage_seen = True
-                if self.outputs.cached is not None:
-                    self.outputs.cached.value = self.producer_cached_tokens or 0
+                self._usage(cached_tokens(event))
             outs, abort, tokens = step_event(self.outputs, event)
             if self.producer_request_id is None:
                 self.producer_request_id = event.get("request_id")
@@ -148,6 +153,29 @@ class ChatStream:
         if self.outputs.done and (self.outputs.cached is None or self._usage_seen):
             self._ended = True
         return self._pump(), abort
+
+    def _usage(self, cached: int | None) -> None:
+        """The producer's final usage came, saying ``cached`` prompt tokens were in its prefix cache."""
+        self.producer_cached_tokens = cached
+        self._usage_seen = True
+        if self.outputs.cached is not None:
+            self.outputs.cached.value = cached or 0
+
+    def cut(self) -> bytes:
+        """End the answer at the tokens generated so far, as the engine ends one at ``max_tokens``:
+        every unfinished choice finishes with ``length`` (Messages: ``max_tokens``; Responses:
+        incomplete), then usage and the end, as vLLM's generator writes them. (A key's budget ran
+        out: ``stages.budget``; the exchange aborts the producer's request.)"""
+        if self.finished:
+            return self._take_early()
+        outs: list[Any] = []
+        for index, done in enumerate(self.outputs.finished):
+            if not done:
+                outs += self.outputs.step(LENGTH_CUT | {"index": index})[0]
+        self._usage(None)  # the producer's usage will not come
+        self._accept(outs)
+        self._ended = True
+        return self._pump() + self.end()
 
     def _accept(self, outputs: list[Any]) -> None:
         """The ``RequestOutput``s of one producer event, for vLLM's generator."""
@@ -272,58 +300,6 @@ def shut(awaitable: Any) -> None:
         awaitable.throw(_Shut)
     except (_Shut, StopIteration, StopAsyncIteration, RuntimeError):
         pass
-
-
-def step_event(outputs: ChoiceOutputs, event: dict[str, Any]) -> tuple[list[Any], bool, int]:
-    """One producer token event into ``outputs``: (its ``RequestOutput``s, abort the producer now?, tokens)."""
-    check_output_mode(event)
-    results: list[Any] = []
-    abort, tokens = False, 0
-    for choice in event.get("choices") or ():
-        outs, stop = outputs.step(choice)
-        tokens += len(choice.get("token_ids") or ())
-        results.extend(outs)
-        abort |= stop
-    return results, abort, tokens
-
-
-def has_tokens(payload: bytes) -> bool:
-    """Whether a producer event carries completion tokens (asked at a key's token limit only: rare)."""
-    try:
-        event = json.loads(payload)
-    except ValueError:
-        return True
-    return isinstance(event, dict) and any(
-        c.get("token_ids") for c in event.get("choices") or () if isinstance(c, dict)
-    )
-
-
-def cached_tokens(event: Any) -> int | None:
-    """The prompt tokens a producer found in its prefix cache, if its usage says
-    (``vllm serve --enable-prompt-tokens-details``)."""
-    try:
-        value = event["usage"]["prompt_tokens_details"]["cached_tokens"]
-    except (KeyError, TypeError):
-        return None
-    return value if isinstance(value, int) else None
-
-
-def producer_error_event(error: Any) -> HTTPError:
-    """A producer's ``{"error": ...}`` event as the error the client gets (the producer's code as status)."""
-    if not isinstance(error, dict):
-        return HTTPError(502, f"producer error: {error!r}")
-    code = error.get("code")
-    status = code if isinstance(code, int) and 400 <= code < 600 else 500
-    return HTTPError(status, str(error.get("message", "producer error")), error.get("type"))
-
-
-def check_output_mode(event: Any) -> None:
-    """Token ids are all the filter can use: ``output_mode`` "text" or "derender" would be rendered twice."""
-    if not isinstance(event, dict):
-        raise ProducerError("the producer's answer is not a JSON object")
-    mode = event.get("output_mode", "tokens")
-    if mode != "tokens":
-        raise ProducerError(f"producer sent output_mode {mode!r}; the filter needs 'tokens'")
 
 
 def final_output(outputs: ChoiceOutputs, producer_body: bytes) -> Any:

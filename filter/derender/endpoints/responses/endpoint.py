@@ -266,8 +266,8 @@ class ResponsesExchange(ChatExchange):
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
         return await super().response_chunk(chunk, end) + await self._flush()
 
-    async def resume(self) -> bytes:
-        return await super().resume() + await self._flush()
+    async def resume(self, tokens: int) -> bytes:
+        return await super().resume(tokens) + await self._flush()
 
     async def cut(self) -> bytes:
         return await super().cut() + await self._flush()

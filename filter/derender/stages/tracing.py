@@ -1,0 +1,27 @@
+"""Traces (``ops.tracing``, ``--otlp-traces-endpoint``) as a stage: the request's trace begins at its
+headers, a child of Envoy's span for the ext_proc stream (its ``traceparent``) or of the client's;
+the producer request carries the producer span's context; at the end the spans are built from the
+report, the routing decision and the timings."""
+
+from __future__ import annotations
+
+from ..exchange import Reply, Rewrite
+from ..ops import tracing
+from .base import RequestContext, Stage
+
+
+class Tracing(Stage):
+    def begin(self, ctx: RequestContext) -> None:
+        if tracing.enabled():
+            ctx.trace = tracing.begin(ctx.headers, ctx.stream_headers)
+
+    async def admit(self, ctx: RequestContext, rewrite: Rewrite) -> Reply | None:
+        trace = ctx.trace
+        if trace is not None:
+            ctx.report.keep_finish_reasons = True  # the client's, for the span
+            rewrite.set_headers.update(trace.sent())  # the producer's request continues the trace
+        return None
+
+    def end(self, ctx: RequestContext) -> None:
+        if ctx.trace is not None:
+            ctx.trace.end(ctx.report, ctx.route.fields() if ctx.route is not None else None)
