@@ -9,7 +9,7 @@ PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
 
-.PHONY: setup up test check lint bench clean real-vllm redis-server
+.PHONY: setup up test check lint seams bench clean real-vllm redis-server
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check filter
 	$(BIN)/ruff format --check filter
 	$(BIN)/mypy
+
+# One line per vLLM seam (translate/vllm_seams.py): whether it holds on the installed vLLM; for a copied
+# vLLM function that moved, the diff between its kept original (translate/vllm_originals) and the installed source.
+seams: $(STAMP)
+	$(BIN)/derender seams
 
 # A real Redis for the --responses-store tests (Debian's package; the tests start their own).
 redis-server:

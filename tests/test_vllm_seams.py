@@ -87,3 +87,55 @@ def test_the_lean_responses_loop_is_vllms_but_for_its_body():
     assert [name for name in vars(cls) if callable(vars(cls)[name])] == ["_process_simple_streaming_events"]
     ours = inspect.signature(cls._process_simple_streaming_events).parameters
     assert list(ours) == list(inspect.signature(OpenAIServingResponses._process_simple_streaming_events).parameters)
+
+
+def test_each_copied_vllm_function_is_its_kept_original_with_its_kept_edits():
+    """Each copy of a vLLM function (``translate/vllm_originals``): vLLM 0.33.0's text kept beside it is
+    the installed vLLM's source and the one the seam's digest pins, and the copy differs from it by
+    exactly the kept diff (pruned branches, calls through ``vllm_seams``), nothing unreviewed."""
+    from derender.cli import copied_sources
+    from derender.translate import vllm_copies
+
+    sources = copied_sources()
+    assert set(sources) == set(vllm_copies.COPIES) and set(vllm_copies.COPIES) <= set(vllm_seams.LEAN)
+    for name, copy in vllm_copies.COPIES.items():
+        assert vllm_copies.kept(copy) == vllm_copies.installed(copy), name
+        assert vllm_copies.digest(vllm_copies.kept(copy)) == copy.sha256, name
+        edits = vllm_copies.edits(copy, sources[name])
+        assert edits == vllm_copies.kept_edits(copy), f"{name}: the copy changed; `derender seams --write-edits`"
+        assert edits.startswith("---") and "\n-" in edits and "\n+" in edits
+
+
+def test_a_copy_edited_beyond_its_kept_diff_is_found():
+    from derender.cli import copied_sources
+    from derender.translate import vllm_copies
+
+    sources = copied_sources()
+    copy = vllm_copies.COPIES["chat stream generator"]
+    edited = sources["chat stream generator"].replace("num_choices", "choices_count", 1)
+    assert vllm_copies.edits(copy, edited) != vllm_copies.kept_edits(copy)
+    lines = vllm_copies.report({**sources, "chat stream generator": edited})
+    assert any("is not the kept original" in line and "chat_loop" in line for line in lines)
+
+
+def test_make_seams_prints_each_seam_and_the_diff_of_a_moved_copy(monkeypatch, capsys):
+    """``make seams`` (``derender seams``): a line per seam saying it holds; on a vLLM whose copied loop
+    changed, that seam is MOVED and the diff from the kept original to the installed source follows."""
+    from derender import cli
+
+    assert cli.main(["seams"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[1] for line in out] == list(vllm_seams.SEAMS)
+    assert all(line.startswith("holds  ") for line in out)
+
+    from derender.translate import vllm_copies
+
+    copy = vllm_copies.COPIES["responses simple loop"]
+    changed = vllm_copies.kept(copy).replace("continue", "pass  # changed upstream", 1)
+    monkeypatch.setattr(vllm_seams, "source", lambda where: changed if where == copy.where else "")
+    monkeypatch.setattr(vllm_seams, "moved", lambda: {copy.seam: "its source is not the one the filter's copy was made from"})
+    lines = vllm_copies.report(cli.copied_sources())
+    at = lines.index(next(line for line in lines if line.startswith("MOVED  responses simple loop")))
+    assert "the installed original differs from the kept one" in lines[at + 2]
+    assert any(line.strip() == "-            continue" for line in lines[at:]), lines[at:]
+    assert any("+            pass  # changed upstream" in line for line in lines[at:])

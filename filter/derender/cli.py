@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import Any
 
 from . import options
 from .extproc import listen
@@ -175,6 +176,41 @@ def cmd_quota(args: argparse.Namespace) -> int:
     return 0
 
 
+def copied_sources() -> dict[str, str]:
+    """The source of each of the filter's copies of a vLLM function, by the seam that pins it."""
+    import inspect
+
+    from .endpoints.responses.lean import lean_serving_class
+    from .endpoints.responses.session import lend_loop
+    from .translate import chat_loop
+
+    lean_responses: Any = lean_serving_class(lend_loop)
+    return {
+        "chat stream generator": inspect.getsource(chat_loop.chat_stream),
+        "responses simple loop": inspect.getsource(lean_responses.simple_loop()),
+    }
+
+
+def cmd_seams(args: argparse.Namespace) -> int:
+    """``derender seams``: one line per vLLM seam, whether it holds on the installed vLLM; for a copied
+    function that moved, the diff between the kept original and the installed source. Exit 1 if any
+    seam moved or a copy is not its kept original with its kept edits."""
+    from .translate import (
+        model,  # noqa: F401  (vLLM's environment defaults, before vLLM is imported)
+        vllm_copies,
+    )
+
+    sources = copied_sources()
+    if args.write_edits:
+        for name, copy in vllm_copies.COPIES.items():
+            (vllm_copies.ORIGINALS / copy.edits).write_text(vllm_copies.edits(copy, sources[name]))
+            print(f"wrote {vllm_copies.ORIGINALS / copy.edits}")
+        return 0
+    lines = vllm_copies.report(sources)
+    print("\n".join(lines))
+    return 1 if any(line.startswith("MOVED") or "is not the kept" in line for line in lines) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="derender", description=__doc__)
     parser.add_argument("--log-level", default=os.environ.get("DERENDER_LOG_LEVEL", "info"))
@@ -211,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Redis when the file names none (as derender serve)",
     )
     quota_parser.set_defaults(func=cmd_quota)
+
+    seams = sub.add_parser("seams", help="whether each vLLM seam holds on the installed vLLM (make seams)")
+    seams.add_argument(
+        "--write-edits", action="store_true", help="write each copy's diff from its kept original (after porting)"
+    )
+    seams.set_defaults(func=cmd_seams)
 
     fetch = sub.add_parser("fetch", help="fetch the pinned tokenizers into the cache")
     fetch.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(assets.ASSETS)} (default: all)")

@@ -66,6 +66,16 @@ def check() -> list[str]:
     return [problem for _, problem in _moved()]
 
 
+def moved() -> dict[str, str]:
+    """The seams the installed vLLM has moved: name -> what differs."""
+    return dict(_moved())
+
+
+def source(where: str) -> str:
+    """The installed vLLM's source of ``where`` (``module:Qual.name``)."""
+    return inspect.getsource(inspect.unwrap(_find(where)))
+
+
 def _moved() -> list[tuple[str, str]]:
     problems = []
     for seam in SEAMS.values():

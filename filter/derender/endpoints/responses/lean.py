@@ -234,4 +234,9 @@ def lean_serving_class(lend: Callable[[str, LoopBody], None]) -> type:
             assert isinstance(context, names.SimpleContext)
             context.streamed_output_items = processor.output_items
 
+        @classmethod
+        def simple_loop(cls) -> Callable[..., Any]:
+            """The copied loop (``derender seams`` compares it with vLLM's original)."""
+            return cls._process_simple_streaming_events
+
     return LeanServingResponses
