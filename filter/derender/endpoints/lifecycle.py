@@ -205,9 +205,13 @@ class LiveStream(Protocol):
     """What the lifecycle reads of a streamed answer's state (``translate.stream.ChatStream``,
     ``translate.collect.Collected``, render-tier mode's ``TierStream``)."""
 
-    producer_request_id: str | None
-    completion_tokens: int
     finished: bool
+
+    @property
+    def producer_request_id(self) -> str | None: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
 
     @property
     def whole(self) -> bool: ...

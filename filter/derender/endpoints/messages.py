@@ -37,7 +37,7 @@ import pydantic_core
 from ..exchange import Answered, Endpoint, Reply, Rewrite
 from ..ops import logs
 from ..translate import vllm_seams
-from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_body, dumps, from_exception, parse_body
+from ..translate.errors import AnthropicHTTPError, HTTPError, anthropic_error_event, dumps, from_exception, parse_body
 from ..translate.lean import MARK, LeanChatStream
 from ..translate.model import Model
 from ..translate.render import Rendered, render_chat_request
@@ -96,31 +96,32 @@ async def render_messages(model: Model, raw: bytes, x_request_id: str | None) ->
     return await render_chat_request(model, await to_chat_request(model, request), x_request_id)
 
 
+def fail_as_messages(self: ChatStream, status: int, message: str, err_type: str | None = None) -> bytes:
+    """``fail`` of both Messages streams (one method, two classes): the engine's failure goes to
+    vLLM's generator, which closes the open block and writes Anthropic's ``error`` event, as the
+    coupled server does when its engine fails."""
+    if self.finished:
+        return self._take_early()
+    from vllm.exceptions import GenerationError
+
+    failure = GenerationError(message)
+    failure.status_code = HTTPStatus(status)
+    self._failure = failure
+    try:
+        return self._pump()
+    except Exception:  # never a broken stream: the error event alone
+        self._close()
+        return self._take_early() + anthropic_error_event(status, message)
+
+
 class MessagesStream(ChatStream):
     """One streaming Messages answer: the chat stream's state, vLLM's Anthropic stream generator."""
 
-    @staticmethod
-    def _serving(model: Model) -> Any:
-        return serving_messages(model)
-
-    def fail(self, status: int, message: str, err_type: str | None = None) -> bytes:
-        """Stop here: the engine's failure goes to vLLM's generator, which closes the open block
-        and writes Anthropic's ``error`` event, as the coupled server does when its engine fails."""
-        if self.finished:
-            return self._take_early()
-        from vllm.exceptions import GenerationError
-
-        failure = GenerationError(message)
-        failure.status_code = HTTPStatus(status)
-        self._failure = failure
-        try:
-            return self._pump()
-        except Exception:  # never a broken stream: the error event alone
-            self._close()
-            return self._take_early() + _error_event(status, message)
+    _serving = staticmethod(serving_messages)
+    fail = fail_as_messages
 
 
-class LeanMessagesStream(LeanChatStream, MessagesStream):
+class LeanMessagesStream(LeanChatStream):
     """A Messages stream on the lean path (``--stream-path lean``): the lean chat path's middle
     events, then vLLM's Anthropic converter only where it would do more than write one delta.
 
@@ -138,6 +139,8 @@ class LeanMessagesStream(LeanChatStream, MessagesStream):
     ``tests/test_lean.py`` runs this and vLLM's chain over generated streams: identical bytes."""
 
     continuous_usage = True  # vLLM asks for it on every Messages stream; its converter reads none per token
+    _serving = staticmethod(serving_messages)
+    fail = fail_as_messages
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
         self._chunks: deque[Any] = deque()  # chat chunks for the converter, in order
@@ -273,10 +276,6 @@ def _delta_event_halves(kind: str, index: int) -> tuple[bytes, bytes]:
     data = wrap_data_with_event(event.model_dump_json(exclude_unset=True), "content_block_delta").encode()
     head, tail = data.split(pydantic_core.to_json(MARK))  # ValueError unless it is there exactly once
     return head, tail
-
-
-def _error_event(status: int, message: str) -> bytes:
-    return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
 
 
 async def message_response(model: Model, rendered: Rendered, final: Any) -> bytes:

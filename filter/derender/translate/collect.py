@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .decode import ProducerDecoder
 from .errors import HTTPError
-from .events import LENGTH_CUT, has_tokens, producer_error_event, step_event
+from .events import has_tokens
 from .model import Model
 from .outputs import ProducerError
 from .render import Rendered
@@ -30,13 +31,13 @@ from .stream import choice_outputs
 
 
 class Collected:
-    """Producer SSE events -> the generation's final ``RequestOutput`` (``final``)."""
+    """Producer SSE events -> the generation's final ``RequestOutput`` (``final``): the producer decoder
+    (``decode.ProducerDecoder``) whose outputs are kept until the last, for the one JSON answer."""
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
-        self.outputs = choice_outputs(model, rendered, stream=False)
+        self.decoder = ProducerDecoder(choice_outputs(model, rendered, stream=False))
+        self.outputs = self.decoder.outputs
         self.final: Any = None
-        self.producer_request_id: str | None = None
-        self.completion_tokens = 0
         self.finished = False  # the client's answer was produced (the final JSON or an error)
         self.whole = False  # that answer was the final JSON
         self._sse = SSEDecoder()
@@ -69,11 +70,19 @@ class Collected:
             abort |= self._event(payload)
         return abort, None
 
+    @property
+    def completion_tokens(self) -> int:
+        return self.decoder.tokens
+
+    @property
+    def producer_request_id(self) -> str | None:
+        return self.decoder.request_id
+
     def cut(self) -> None:
         """End every unfinished choice here, as the engine ends one at ``max_tokens`` (``length``)."""
-        for index, done in enumerate(self.outputs.finished):
-            if not done:
-                self._take({"request_id": self.producer_request_id, "choices": [LENGTH_CUT | {"index": index}]})
+        finals = self.decoder.cut()
+        if finals:
+            self.final = finals[-1]
 
     def _event(self, payload: bytes) -> bool:
         if payload == b"[DONE]" or self.outputs.done:
@@ -87,12 +96,7 @@ class Collected:
     def _take(self, event: Any) -> bool:
         """One producer event, parsed: True if the producer must be aborted now."""
         try:
-            if isinstance(event, dict) and "error" in event:
-                raise producer_error_event(event["error"])
-            finals, abort, tokens = step_event(self.outputs, event)
-            if self.producer_request_id is None:
-                self.producer_request_id = event.get("request_id")
-            self.completion_tokens += tokens
+            finals, abort = self.decoder.event(event)  # raises HTTPError for the producer's error event
             if finals:
                 self.final = finals[-1]
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:

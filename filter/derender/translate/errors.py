@@ -95,9 +95,27 @@ def error_body(status: int, message: str, err_type: str | None = None, param: st
     )
 
 
+# A mid-stream error event in each client shape, as vLLM streams it: one helper per shape.
 def error_event(status: int, message: str, err_type: str | None = None, param: str | None = None) -> bytes:
-    """A mid-stream error as vLLM streams it: one SSE event (``[DONE]`` follows separately)."""
+    """OpenAI chat and completions: one SSE event (``[DONE]`` follows separately)."""
     return b"data: " + error_body(status, message, err_type, param) + b"\n\n"
+
+
+def anthropic_error_event(status: int, message: str) -> bytes:
+    """Anthropic Messages: the ``error`` event."""
+    return b"event: error\ndata: " + anthropic_error_body(status, message) + b"\n\n"
+
+
+def responses_error_event(error: HTTPError, sequence: int) -> bytes:
+    """OpenAI Responses: the ``error`` event, numbered ``sequence`` (its status as the code)."""
+    data = {
+        "type": "error",
+        "code": str(error.status),
+        "message": error.message,
+        "param": error.param,
+        "sequence_number": sequence,
+    }
+    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 def parse_body(validate: Callable[[Any], T], raw: bytes) -> T:

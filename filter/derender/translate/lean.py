@@ -166,13 +166,10 @@ class LeanChatStream(ChatStream):
         event = one_choice_event(payload)
         if event is None:
             return None
-        got = self.outputs.direct_text(event["choices"][0])
+        got = self.decoder.direct(event)
         if got is None:
             return None
         text, ids = got
-        if self.producer_request_id is None:
-            self.producer_request_id = event.get("request_id")
-        self.completion_tokens += len(ids)
         self.direct += 1
         data = self._middle_step(text, ids, self.outputs.direct_state.prompt_token_ids)  # type: ignore[union-attr]  # set: direct_text answered
         if self._failure is not None:  # the parser raised: the generator answers it, as vLLM's would

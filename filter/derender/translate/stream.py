@@ -16,8 +16,9 @@ from collections import deque
 from typing import Any
 
 from . import vllm_seams
+from .decode import ProducerDecoder
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
-from .events import LENGTH_CUT, cached_tokens, producer_error_event, step_event
+from .events import cached_tokens, step_event
 from .model import Model
 from .outputs import ChoiceOutputs, ProducerError
 from .render import Rendered
@@ -52,16 +53,15 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
 
 
 class ChatStream:
-    """One streaming chat completion, from producer events to client bytes."""
+    """One streaming chat completion, from producer events to client bytes: the producer decoder
+    (``decode.ProducerDecoder``) composed with chat's encoder, vLLM's chat stream generator driven by
+    hand. The other APIs' streams swap the encoder (the generator, how a failure is written)."""
 
-    producer_cached_tokens: int | None = None  # the producer's usage says (prefix cache hits)
-    _usage_seen = False  # the producer's final usage event came
     _taken = 0  # outputs vLLM's generator has taken
 
     def __init__(self, model: Model, rendered: Rendered) -> None:
-        self.outputs = choice_outputs(model, rendered, stream=True)
-        self.producer_request_id: str | None = None
-        self.completion_tokens = 0
+        self.decoder = ProducerDecoder(choice_outputs(model, rendered, stream=True))
+        self.outputs = self.decoder.outputs
         self.finished = False  # [DONE] was produced
         self.whole = False  # vLLM's generator ended on the producer's last output: the answer is all out
         self._queue: deque[Any] = deque()
@@ -132,34 +132,33 @@ class ChatStream:
             return self.fail(502, f"invalid producer event: {exc}"), False
         return self.take(event)
 
+    @property
+    def completion_tokens(self) -> int:
+        return self.decoder.tokens
+
+    @property
+    def producer_request_id(self) -> str | None:
+        return self.decoder.request_id
+
+    @property
+    def producer_cached_tokens(self) -> int | None:
+        """The prompt tokens the producer found in its prefix cache, if its usage said."""
+        return self.decoder.cached
+
     def take(self, event: Any) -> tuple[bytes, bool]:
         """One producer event, parsed -> (client bytes, abort producer?)."""
         try:
-            if not isinstance(event, dict):
-                raise ProducerError("producer event is not a JSON object")
-            if "error" in event:
-                return self._fail_with_producer_error(event["error"]), False
-            if event.get("usage") and not event.get("choices"):  # the producer's final usage event
-                self._usage(cached_tokens(event))
-            outs, abort, tokens = step_event(self.outputs, event)
-            if self.producer_request_id is None:
-                self.producer_request_id = event.get("request_id")
-            self.completion_tokens += tokens
+            outs, abort = self.decoder.event(event)
             self._accept(outs)
+        except HTTPError as exc:  # the producer's error event
+            return self.fail(exc.status, exc.message, exc.type), False
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
         # With the producer's cache hits to pass on, vLLM's generator ends (and writes its final
         # usage) once the producer's usage event, right after the last token, has come.
-        if self.outputs.done and (self.outputs.cached is None or self._usage_seen):
+        if self.decoder.ended:
             self._ended = True
         return self._pump(), abort
-
-    def _usage(self, cached: int | None) -> None:
-        """The producer's final usage came, saying ``cached`` prompt tokens were in its prefix cache."""
-        self.producer_cached_tokens = cached
-        self._usage_seen = True
-        if self.outputs.cached is not None:
-            self.outputs.cached.value = cached or 0
 
     def cut(self) -> bytes:
         """End the answer at the tokens generated so far, as the engine ends one at ``max_tokens``:
@@ -168,11 +167,8 @@ class ChatStream:
         out: ``stages.budget``; the exchange aborts the producer's request.)"""
         if self.finished:
             return self._take_early()
-        outs: list[Any] = []
-        for index, done in enumerate(self.outputs.finished):
-            if not done:
-                outs += self.outputs.step(LENGTH_CUT | {"index": index})[0]
-        self._usage(None)  # the producer's usage will not come
+        outs = self.decoder.cut()
+        self.decoder.usage(None)  # the producer's usage will not come
         self._accept(outs)
         self._ended = True
         return self._pump() + self.end()
@@ -201,10 +197,6 @@ class ChatStream:
         """The exchange ended before the stream did (client gone): shut vLLM's generator."""
         if not self.finished:
             self._close()
-
-    def _fail_with_producer_error(self, error: Any) -> bytes:
-        failure = producer_error_event(error)
-        return self.fail(failure.status, failure.message, failure.type)
 
     def _close(self) -> None:
         self.finished = True

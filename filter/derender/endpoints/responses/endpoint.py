@@ -35,6 +35,7 @@ from typing import Any
 from ...exchange import Endpoint, Reply, Rewrite
 from ...ops import logs
 from ...translate import vllm_seams
+from ...translate.decode import ProducerDecoder
 from ...translate.errors import HTTPError, dumps, from_exception, parse_body
 from ...translate.lean import one_choice_event
 from ...translate.model import Model
@@ -168,9 +169,8 @@ class ResponsesStream(ChatStream):
 
     def __init__(self, model: Model, rendered: RenderedResponse) -> None:
         self.session = rendered.session
-        self.outputs = choice_outputs(model, rendered, stream=True)
-        self.producer_request_id: str | None = None
-        self.completion_tokens = 0
+        self.decoder = ProducerDecoder(choice_outputs(model, rendered, stream=True))
+        self.outputs = self.decoder.outputs
         self.finished = False
         self._ended = False
 
@@ -185,9 +185,7 @@ class ResponsesStream(ChatStream):
                 # A middle event straight into the session's lean loop body, with one output
                 # object for the stream (``ChoiceOutputs.direct_output``); anything else (a finish,
                 # an error, usage, a bad token id) takes the full path below, nothing changed.
-                if self.producer_request_id is None:
-                    self.producer_request_id = event.get("request_id")  # type: ignore[union-attr]
-                self.completion_tokens += len(res.outputs[0].token_ids)
+                self.decoder.took(event, len(res.outputs[0].token_ids))  # type: ignore[arg-type]
                 self.session.direct(res)
                 return b"", False
         return super().feed(payload)

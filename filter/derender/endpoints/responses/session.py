@@ -10,12 +10,11 @@ waits for it; then driving by hand goes on."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from typing import Any
 
-from ...translate.errors import HTTPError, from_exception
+from ...translate.errors import HTTPError, from_exception, responses_error_event
 from ...translate.model import _EngineStandIn
 from ...translate.stream import WAIT, advance, close_chain
 from .lean import Frame, LoopBody, event_frame
@@ -316,14 +315,7 @@ def _error_event(failure: BaseException, sequence: int) -> bytes:
     error = failure if isinstance(failure, HTTPError) else from_exception(failure)  # type: ignore[arg-type]
     if getattr(failure, "status_code", None):
         error.status = int(failure.status_code)  # type: ignore[attr-defined]
-    data = {
-        "type": "error",
-        "code": str(error.status),
-        "message": error.message,
-        "param": error.param,
-        "sequence_number": sequence,
-    }
-    return f"event: error\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return responses_error_event(error, sequence)
 
 
 # The sessions of this process, by Responses request id (the engine request id is that plus "_N").

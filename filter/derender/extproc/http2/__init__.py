@@ -26,9 +26,9 @@ The rooms: ``wire`` (numbers, frames, errors, limits), ``headers`` (HPACK, a req
 from grpc.aio import EOF
 
 from .connection import Connection
-from .handlers import TRACE_CONTEXT, Handler, Methods
+from .handlers import METADATA, Handler, Methods
 from .server import Server, tls_context
 from .streams import Stream
 from .wire import *  # noqa: F403 - the protocol's numbers, ``frame``, ``Limits``, ``Status``
 
-__all__ = ["EOF", "TRACE_CONTEXT", "Connection", "Handler", "Methods", "Server", "Stream", "tls_context"]
+__all__ = ["EOF", "METADATA", "Connection", "Handler", "Methods", "Server", "Stream", "tls_context"]

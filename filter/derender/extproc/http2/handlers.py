@@ -16,9 +16,9 @@ from .wire import CANCELLED, OK, UNKNOWN, Status
 Handler = Callable[[Callable[[], Awaitable[object]], Callable[[object], Awaitable[None]]], Awaitable[None]]
 # path -> (the request type's ``FromString``, the handler)
 Methods = dict[str, tuple[Callable[[bytes], object], Handler]]
-# The W3C trace context the stream's request carried (``traceparent``, ``tracestate``), as its handler
-# sees it: set in the handler's task before the handler runs; None without a ``traceparent``.
-TRACE_CONTEXT: ContextVar[dict[str, str] | None] = ContextVar("http2_trace_context", default=None)
+# The stream's request metadata (its fields but the pseudo-headers, content-length and te; gRPC's
+# custom metadata), as its handler sees it: set in the handler's task before the handler runs.
+METADATA: ContextVar[dict[str, str]] = ContextVar("http2_metadata", default={})  # noqa: B039 - never mutated
 
 
 def writer(connection, stream):

@@ -60,7 +60,7 @@ class Request:
     path: str
     encoding: bytes | None  # grpc-encoding
     content_length: int | None
-    trace: dict[str, str] | None = None  # traceparent (and tracestate), if the request carries one
+    metadata: dict[str, str]  # the request's other fields (gRPC's custom metadata), for the handler
 
 
 class Codec:
@@ -113,7 +113,7 @@ def request(fields: list[tuple[bytes, bytes]]) -> Request:
     pseudo: dict[bytes, bytes] = {}
     regular = False
     encoding = length = None
-    trace: dict[str, str] | None = None
+    metadata: dict[str, str] = {}
     for name, value in fields:
         _check_field(name, value)
         if name[:1] == b":":
@@ -132,21 +132,18 @@ def request(fields: list[tuple[bytes, bytes]]) -> Request:
             raise Malformed("te other than trailers")
         if name == b"grpc-encoding":
             encoding = value
-        elif name == b"traceparent" or name == b"tracestate":
-            trace = trace or {}
-            trace[name.decode()] = value.decode("latin-1")
         elif name == b"content-length":
             if not value.isdigit() or (length is not None and int(value) != length):
                 raise Malformed("invalid content-length")
             length = int(value)
+        elif name != b"te":
+            metadata[name.decode("latin-1")] = value.decode("latin-1")
     for name in (b":method", b":scheme", b":path"):
         if name not in pseudo:
             raise Malformed(f"{name.decode()} missing")
     if not pseudo[b":path"]:
         raise Malformed(":path empty")
-    if trace is not None and "traceparent" not in trace:
-        trace = None
-    return Request(pseudo[b":path"].decode("latin-1"), encoding, length, trace)
+    return Request(pseudo[b":path"].decode("latin-1"), encoding, length, metadata)
 
 
 def trailers(fields: list[tuple[bytes, bytes]]) -> None:
@@ -264,4 +261,4 @@ class HeaderSide(ConnectionState):
             why = f"unknown method {asked.path[:200]}" if method is None else "compressed"
             self._trailers_only(stream_id, UNIMPLEMENTED, why, flags & END_STREAM)
             return
-        self._open(stream_id, method, asked.content_length, flags & END_STREAM, asked.trace)
+        self._open(stream_id, method, asked.content_length, flags & END_STREAM, asked.metadata)

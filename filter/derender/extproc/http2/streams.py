@@ -14,7 +14,7 @@ from collections.abc import Callable
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
 from .control import BY_US, ENDED
-from .handlers import TRACE_CONTEXT, Handler, serve_handler, writer
+from .handlers import METADATA, Handler, serve_handler, writer
 from .state import ConnectionState
 from .wire import (
     DATA,
@@ -91,14 +91,12 @@ class StreamSide(ConnectionState):
     """Streams, messages and replies of a ``Connection`` (whose attributes these methods use)."""
 
     # -- a stream's messages in ----------------------------------------------------------------
-    def _open(
-        self, stream_id: int, method, content_length: int | None, ended: int, trace: dict[str, str] | None = None
-    ) -> None:
+    def _open(self, stream_id: int, method, content_length: int | None, ended: int, metadata: dict[str, str]) -> None:
         parse, handler = method
         stream = Stream(stream_id, parse, self.peer_initial_window, self.stream_window, content_length)
         self.streams[stream_id] = stream
         self.running += 1
-        stream.task = self.loop.create_task(self._run(stream, handler, trace))
+        stream.task = self.loop.create_task(self._run(stream, handler, metadata))
         stream.task.add_done_callback(self._handler_done)  # a task cancelled before it ran counts too
         if ended:
             self._end_of_input(stream)
@@ -245,10 +243,10 @@ class StreamSide(ConnectionState):
         if stream.task is not None and not stream.task.done():
             stream.task.cancel()
 
-    async def _run(self, stream: Stream, handler: Handler, trace: dict[str, str] | None = None) -> None:
+    async def _run(self, stream: Stream, handler: Handler, metadata: dict[str, str]) -> None:
         connection = self
-        if trace is not None:
-            TRACE_CONTEXT.set(trace)  # this task's own context: its handler's
+        if metadata:
+            METADATA.set(metadata)  # this task's own context: its handler's
 
         async def read() -> object:
             if stream.inbox:
