@@ -245,21 +245,15 @@ def test_a_long_module_says_why():
     assert not silent, "modules past 400 lines without a reason written in them:\n" + "\n".join(silent)
 
 
-class EchoExchange:
+def echo_exchange(model, producer, x_request_id):
     """A toy endpoint: answers the body's ``say`` at once, never reaching a producer."""
+    from derender.exchange import Answered, Reply
 
-    stream = None
+    class EchoExchange(Answered):
+        async def request_body(self, body: bytes):
+            return Reply(200, json.dumps({"said": json.loads(body)["say"], "model": model.name}).encode())
 
-    def __init__(self, model, producer, x_request_id) -> None:
-        self.model = model
-
-    async def request_body(self, body: bytes):
-        from derender.exchange import Reply
-
-        return Reply(200, json.dumps({"said": json.loads(body)["say"], "model": self.model.name}).encode())
-
-    def close(self, complete: bool) -> None:
-        pass
+    return EchoExchange()
 
 
 def test_an_endpoint_is_one_module_and_one_registry_line(qwen3_dir, monkeypatch):
@@ -285,10 +279,9 @@ def test_an_endpoint_is_one_module_and_one_registry_line(qwen3_dir, monkeypatch)
         return Reply(200, json.dumps({"under": rest, "method": method, "model": model.name}).encode())
 
     def in_tier(tier, producer, x_request_id):  # what render-tier mode makes of it
-        exchange = EchoExchange(SimpleNamespace(name=f"tier at {tier.url}"), producer, x_request_id)
-        return exchange
+        return echo_exchange(SimpleNamespace(name=f"tier at {tier.url}"), producer, x_request_id)
 
-    echo = Endpoint("/v1/echo", EchoExchange, tier=in_tier, under=under)
+    echo = Endpoint("/v1/echo", echo_exchange, tier=in_tier, under=under)
     monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", echo)  # the one line
     reply = asyncio.run(ask("/v1/echo"))
     assert (reply.status, json.loads(reply.body)) == (200, {"said": "hi", "model": "qwen3"})
@@ -298,9 +291,71 @@ def test_an_endpoint_is_one_module_and_one_registry_line(qwen3_dir, monkeypatch)
     router = Router(Backend(["qwen3"], Producer("http://127.0.0.1:9"), render_url="http://127.0.0.1:9/render"))
     reply = asyncio.run(ask("/v1/echo"))
     assert (reply.status, json.loads(reply.body)) == (200, {"said": "hi", "model": "tier at http://127.0.0.1:9/render"})
-    monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", Endpoint("/v1/echo", EchoExchange, not_in_tier="not here"))
+    monkeypatch.setitem(registry.ENDPOINTS, "/v1/echo", Endpoint("/v1/echo", echo_exchange, not_in_tier="not here"))
     reply = asyncio.run(ask("/v1/echo"))
     assert reply.status == 501 and json.loads(reply.body)["error"]["message"] == "not here"
+
+
+def test_a_stage_is_one_module_and_one_line_where_the_pipeline_is_composed(qwen3_dir, monkeypatch):
+    """A toy stage as the next issues' stages plug in (flow control: it may hold or refuse a rendered
+    request; KV-event routing and the prefill handoff: they read the rendered prompt): its module (the
+    class below) and its line in ``registry.stages``. It reads typed values only (the context, the
+    exchange's report, the rewrite) and sees every point of a request, in order."""
+    from derender.endpoints import registry
+    from derender.endpoints.router import Router
+    from derender.exchange import Reply, ResponseStart
+    from derender.routing.producer import Producer
+    from derender.stages import Stage
+    from derender.translate.model import Model, ModelSpec
+
+    seen: list[tuple] = []
+
+    class Gate(Stage):  # stages/gate.py
+        def __init__(self, room: int) -> None:
+            self.room = room
+
+        def begin(self, ctx):
+            seen.append(("begin", ctx.endpoint.path, ctx.x_request_id))
+
+        async def admit(self, ctx, rewrite):
+            seen.append(("admit", ctx.report.asked.model, ctx.report.asked.stream, len(rewrite.prompt_ids)))
+            if self.room == 0:
+                ctx.report.client_status = 429
+                return Reply(429, b'{"error": "full"}', headers={"retry-after": "1"})
+            self.room -= 1
+            rewrite.set_headers["x-gate"] = "passed"
+            return None
+
+        def started(self, ctx, start: ResponseStart) -> None:
+            seen.append(("started", ctx.report.status, ctx.report.upstream))
+
+        def end(self, ctx):
+            seen.append(("end", ctx.report.client_status, ctx.report.complete))
+
+    composed = registry.stages
+    monkeypatch.setattr(registry, "stages", lambda budgets: [Gate(1), *composed(budgets)])  # the one line
+    model = Model(ModelSpec(model=qwen3_dir, served_model_name=("qwen3",)))
+    router = Router(model, Producer("http://127.0.0.1:9"))
+    body = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+
+    async def one(headers: dict[str, str]):
+        exchange = await router.route({":method": "POST", ":path": "/v1/chat/completions", **headers}, False)
+        result = await exchange.request_body(body)
+        if not isinstance(result, Reply):
+            exchange.response_headers(503, "127.0.0.1:9")
+            await exchange.response_body(b'{"error": {"message": "no"}}')
+        exchange.close(True)
+        return result
+
+    first = asyncio.run(one({"x-request-id": "a"}))
+    assert first.set_headers["x-gate"] == "passed" and first.prompt_ids
+    assert [s[0] for s in seen] == ["begin", "admit", "started", "end"]
+    assert seen[0] == ("begin", "/v1/chat/completions", "a") and seen[1][1:3] == ("qwen3", True)
+    assert seen[2] == ("started", 503, "127.0.0.1:9") and seen[3] == ("end", 503, True)
+    seen.clear()
+    refused = asyncio.run(one({"x-request-id": "b"}))
+    assert isinstance(refused, Reply) and refused.status == 429
+    assert [s[0] for s in seen] == ["begin", "admit", "end"] and seen[-1] == ("end", 429, True)
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])

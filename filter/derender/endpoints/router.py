@@ -28,9 +28,9 @@ from ..stages import Pipeline, RequestContext
 from ..stages.budget import Budgets
 from ..translate.errors import HTTPError, dumps
 from ..translate.model import Model
-from . import rendertier
+from . import registry, rendertier
 from .completions import serving_completion
-from .registry import ENDPOINTS, stages
+from .registry import ENDPOINTS
 
 log = logging.getLogger("derender.router")
 MODELS_PATH = "/v1/models"
@@ -192,7 +192,7 @@ class Router:
         quotas: quota.Quotas | None = None,
     ) -> None:
         self.budgets = Budgets(quotas)  # token budgets per API key (``--quota-config``)
-        self.pipeline = Pipeline(stages(self.budgets))
+        self.pipeline = Pipeline(registry.stages(self.budgets))
         if isinstance(served, Backend):
             served = [served]
         elif not isinstance(served, list):
