@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .decode import ProducerDecoder
+from .decode import Decoded, ProducerDecoder
 from .errors import HTTPError
 from .events import has_tokens
 from .model import Model
@@ -30,7 +30,7 @@ from .sse import SSEDecoder, SSEError
 from .stream import choice_outputs
 
 
-class Collected:
+class Collected(Decoded):
     """Producer SSE events -> the generation's final ``RequestOutput`` (``final``): the producer decoder
     (``decode.ProducerDecoder``) whose outputs are kept until the last, for the one JSON answer."""
 
@@ -69,14 +69,6 @@ class Collected:
                 return abort, payloads[k:]
             abort |= self._event(payload)
         return abort, None
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.decoder.tokens
-
-    @property
-    def producer_request_id(self) -> str | None:
-        return self.decoder.request_id
 
     def cut(self) -> None:
         """End every unfinished choice here, as the engine ends one at ``max_tokens`` (``length``)."""

@@ -78,3 +78,18 @@ class ProducerDecoder:
     def ended(self) -> bool:
         """Every choice finished, and the producer's usage came where its cache hits are passed on."""
         return self.outputs.done and (self.outputs.cached is None or self.usage_seen)
+
+
+class Decoded:
+    """The base of an encoder composed with a producer decoder (``decoder``): what the exchange reads
+    of the generation through it."""
+
+    decoder: ProducerDecoder
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.decoder.tokens
+
+    @property
+    def producer_request_id(self) -> str | None:
+        return self.decoder.request_id

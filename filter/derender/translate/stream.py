@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any
 
 from . import vllm_seams
-from .decode import ProducerDecoder
+from .decode import Decoded, ProducerDecoder
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .events import cached_tokens, step_event
 from .model import Model
@@ -52,7 +52,7 @@ def choice_outputs(model: Model, rendered: Rendered, *, stream: bool) -> ChoiceO
     )
 
 
-class ChatStream:
+class ChatStream(Decoded):
     """One streaming chat completion, from producer events to client bytes: the producer decoder
     (``decode.ProducerDecoder``) composed with chat's encoder, vLLM's chat stream generator driven by
     hand. The other APIs' streams swap the encoder (the generator, how a failure is written)."""
@@ -131,14 +131,6 @@ class ChatStream:
         except ValueError as exc:
             return self.fail(502, f"invalid producer event: {exc}"), False
         return self.take(event)
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.decoder.tokens
-
-    @property
-    def producer_request_id(self) -> str | None:
-        return self.decoder.request_id
 
     @property
     def producer_cached_tokens(self) -> int | None:
