@@ -1,5 +1,6 @@
-"""What a ``Simulator`` holds, declared for the type checker: ``simulator.Simulator.__init__`` and
-``configure`` set it, and ``serving.Serving``'s handlers (a base of ``Simulator``) use it."""
+"""What a ``Simulator`` holds and does for its handlers: ``simulator.Simulator.__init__`` and
+``configure`` set the attributes and ``Simulator`` implements the methods, which ``serving.Serving``'s
+handlers (a base of ``Simulator``) use."""
 
 from __future__ import annotations
 
@@ -36,12 +37,20 @@ class SimulatorState:
     max_model_len: int
     model_name: str
 
-    if TYPE_CHECKING:  # ``Simulator``'s
+    # What ``Simulator`` implements for ``Serving``'s handlers.
+    def _plan(self, body: dict) -> list[_Choice]:
+        raise NotImplementedError
 
-        def _plan(self, body: dict) -> list[_Choice]: ...
-        def _steps(self, gen: _Generation) -> AsyncIterator[tuple]: ...
-        def _cached(self, gen: _Generation) -> int | None: ...
-        @staticmethod
-        def _choice(c: _Choice, start: int, end: int, final: bool, k: int | None) -> dict: ...
-        @staticmethod
-        def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict: ...
+    def _steps(self, gen: _Generation) -> AsyncIterator[tuple]:
+        raise NotImplementedError
+
+    def _cached(self, gen: _Generation) -> int | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _choice(c: _Choice, start: int, end: int, final: bool, k: int | None) -> dict:
+        raise NotImplementedError
+
+    @staticmethod
+    def _usage(prompt: int, completion: int, details: bool = True, cached: int | None = None) -> dict:
+        raise NotImplementedError

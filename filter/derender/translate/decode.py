@@ -48,8 +48,10 @@ class ProducerDecoder:
         """A middle event of one choice that only needs detokenizing (``ChoiceOutputs.direct_text``):
         its new text and ids, counted; None (nothing changed) for any other event."""
         got = self.outputs.direct_text(event["choices"][0])
-        if got is not None:
-            self.took(event, len(got[1]))
+        if got is not None:  # ``took``, inlined: once per token
+            if self.request_id is None:
+                self.request_id = event.get("request_id")
+            self.tokens += len(got[1])
         return got
 
     def took(self, event: dict[str, Any], tokens: int) -> None:
