@@ -3,12 +3,13 @@
 A ``Backend`` is one served model: its names, how it is rendered (a local vLLM
 ``Model``, or a render tier URL) and the Envoy cluster of its producers.
 ``Router.route`` looks at the request headers. A path of the endpoint registry
-(``registry.ENDPOINTS``) gets a ``ModelExchange``: once the body is in, it picks
-the backend from the body's ``model`` and hands over to that backend's exchange
-for the endpoint; a request for a producer gets the ``x-derender-cluster`` header,
-which Envoy routes on after the route cache is cleared, and the producer replica
-that routing (``routing.balance``) chose. Health and models are answered at once
-(a ``Reply``), without a producer round trip.
+(``registry.ENDPOINTS``) gets a ``ModelExchange``, the request's way through the
+pipeline: once the body is in, it picks the backend from the body's ``model`` and
+hands over to that backend's exchange for the endpoint; a request for a producer
+gets the ``x-derender-cluster`` header, which Envoy routes on after the route cache
+is cleared, and the stages (``registry.stages``: budgets, the producer replica,
+traces, metrics, the request log) run around the exchange. Health and models are
+answered at once (a ``Reply``), without a producer round trip.
 """
 
 from __future__ import annotations
