@@ -404,3 +404,29 @@ def test_the_message_limit_follows_envoys_body_buffer(flags, message):
     assert limits.max_message == message
     assert limits.max_buffered >= message + 5 and limits.max_buffered_total >= limits.max_buffered
     assert limits.stream_window >= 2 * (message + 5) or limits.stream_window == wire.MAX_WINDOW
+
+
+def test_a_streams_metadata_is_handed_up_as_its_fields_are():
+    """The transport names no header but its own: the request's other fields go up to the handler as
+    gRPC's custom metadata (the tracing stage reads ``traceparent`` there), pseudo-headers,
+    content-length and te left out."""
+    from derender.extproc.http2.headers import request
+
+    asked = request(
+        [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+            (b"te", b"trailers"),
+            (b"content-type", b"application/grpc"),
+            (b"content-length", b"0"),
+            (b"traceparent", b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            (b"x-custom", b"\xe9t\xe9"),
+        ]
+    )
+    assert asked.path == "/envoy.service.ext_proc.v3.ExternalProcessor/Process" and asked.content_length == 0
+    assert asked.metadata == {
+        "content-type": "application/grpc",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "x-custom": "\xe9t\xe9",
+    }

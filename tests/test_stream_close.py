@@ -184,3 +184,60 @@ def test_a_request_that_does_not_stream_builds_nothing_ahead(hermes_model):
         exchange.close(True)
 
     asyncio.run(main())
+
+
+def length_event(index: int = 0) -> bytes:
+    """The producer's own end of a choice at max_tokens: no more tokens, finish reason length."""
+    choice = {"index": index, "finish_reason": "length", "stop_reason": None, "token_ids": []}
+    chunk = {"request_id": "generate-tokens-c", "usage": None, "output_mode": "tokens", "choices": [choice]}
+    return b"data: " + pydantic_core.to_json(chunk) + b"\n\n"
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_budget_cut_ends_the_stream_as_the_engine_ends_one_at_its_token_limit(hermes_model, qwen3_tokenizer, api):
+    """A key's budget ends a stream through the stream's own encoder (``ChatStream.cut``), no producer
+    event forged: the client gets the bytes it gets when the producer itself ends the choice there
+    with ``length`` (Messages: ``max_tokens``), the events past the limit are dropped, and the
+    producer's request is aborted."""
+    from derender.endpoints.chat import ChatExchange
+    from derender.endpoints.messages import MessagesExchange
+
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    if api == "messages":
+        body = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 100}
+    ids = qwen3_tokenizer.encode("Bonjour, le monde entier", add_special_tokens=False).ids
+    assert len(ids) >= 3
+    exchange_class = ChatExchange if api == "chat" else MessagesExchange
+
+    async def run(cut: bool) -> tuple[bytes, list[str]]:
+        producer = Producer()
+        exchange = exchange_class(hermes_model, producer, "budget")
+        rewrite = await exchange.request_body(json.dumps(body).encode())
+        if cut:
+            assert exchange.limit(2, rewrite, False)
+        exchange.response_headers(200)
+        out = b""
+        for token in ids[:2]:
+            out += await exchange.response_chunk(event([token]), False)
+        if cut:
+            out += await exchange.response_chunk(event([ids[2]]), False)
+            assert exchange.held and exchange.generated == 2
+            out += await exchange.cut()
+            assert not exchange.held
+        else:
+            out += await exchange.response_chunk(length_event() + b"data: [DONE]\n\n", True)
+        exchange.close(True)
+        return out, producer.aborted
+
+    cut, aborted = asyncio.run(run(True))
+    engine, engine_aborted = asyncio.run(run(False))
+
+    def same(data: bytes) -> bytes:  # the clock's second may turn; a thinking block's signature is random
+        import re
+
+        return re.sub(rb'"signature":"[0-9a-f]+"', b'"signature":""', re.sub(rb'"created":\d+', b'"created":0', data))
+
+    assert same(cut) == same(engine)
+    assert (b'"finish_reason":"length"' if api == "chat" else b'"stop_reason":"max_tokens"') in cut
+    assert aborted == ["generate-tokens-c"] and engine_aborted == []  # the producer request id its events name
