@@ -114,7 +114,8 @@ def test_a_copy_edited_beyond_its_kept_diff_is_found():
     copy = vllm_copies.COPIES["chat stream generator"]
     edited = sources["chat stream generator"].replace("num_choices", "choices_count", 1)
     assert vllm_copies.edits(copy, edited) != vllm_copies.kept_edits(copy)
-    lines = vllm_copies.report({**sources, "chat stream generator": edited})
+    lines, holds = vllm_copies.report({**sources, "chat stream generator": edited})
+    assert not holds
     assert any("is not the kept original" in line and "chat_loop" in line for line in lines)
 
 
@@ -134,7 +135,8 @@ def test_make_seams_prints_each_seam_and_the_diff_of_a_moved_copy(monkeypatch, c
     changed = vllm_copies.kept(copy).replace("continue", "pass  # changed upstream", 1)
     monkeypatch.setattr(vllm_seams, "source", lambda where: changed if where == copy.where else "")
     monkeypatch.setattr(vllm_seams, "moved", lambda: {copy.seam: "its source is not the one the filter's copy was made from"})
-    lines = vllm_copies.report(cli.copied_sources())
+    lines, holds = vllm_copies.report(cli.copied_sources())
+    assert not holds
     at = lines.index(next(line for line in lines if line.startswith("MOVED  responses simple loop")))
     assert "the installed original differs from the kept one" in lines[at + 2]
     assert any(line.strip() == "-            continue" for line in lines[at:]), lines[at:]

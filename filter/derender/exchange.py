@@ -86,7 +86,6 @@ class Report:
     model: str | None = None  # the model served, as logs, metrics and traces name it
     request_id: str | None = None  # the client's response id (chatcmpl-..., msg_..., resp_...)
     x_request_id: str | None = None
-    sent: bool = False  # rendered for a producer
     prompt_tokens: int | None = None  # None: never reached a producer
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # the prompt tokens the producer says it had cached
@@ -183,13 +182,34 @@ class Exchange(Protocol):
         ...
 
 
-class Answered:
+class Unmetered:
+    """What a key's budget finds in an exchange that cannot hold its answer (``Exchange.limit``):
+    the base of those exchanges, and of ``endpoints.lifecycle.ProducerExchange``, whose chat-based
+    exchanges can."""
+
+    def limit(self, tokens: int, rewrite: Rewrite, outrun: bool) -> bool:
+        return False
+
+    @property
+    def held(self) -> bool:
+        return False
+
+    @property
+    def generated(self) -> int:
+        return 0
+
+    async def resume(self, tokens: int) -> bytes:
+        return b""
+
+    async def cut(self) -> bytes:
+        return b""
+
+
+class Answered(Unmetered):
     """The base of an exchange that answers at once (its ``request_body`` returns a ``Reply`` or
     raises ``HTTPError``): no producer is reached, so the response steps of ``Exchange`` never come."""
 
     streaming = False
-    held = False
-    generated = 0
 
     def __init__(self) -> None:
         self.report = Report()
@@ -208,15 +228,6 @@ class Answered:
 
     def close(self, complete: bool) -> None:
         self.report.complete = complete
-
-    def limit(self, tokens: int, rewrite: Rewrite, outrun: bool) -> bool:
-        return False
-
-    async def resume(self, tokens: int) -> bytes:
-        return b""
-
-    async def cut(self) -> bytes:
-        return b""
 
 
 class RenderTierClient(Protocol):

@@ -333,6 +333,8 @@ class ChatExchange(ProducerExchange):
         if self._ready is not None:  # no producer answer came
             self._ready.close()
             self._ready = None
+        if isinstance(self.stream, ChatStream) and self.stream.producer_cached_tokens is not None:
+            self.report.cached_tokens = self.stream.producer_cached_tokens  # as the stream's usage said
 
     def engine_reasons(self) -> list[str]:
         stream = self.stream
@@ -341,9 +343,7 @@ class ChatExchange(ProducerExchange):
         return list(self.finish_reasons)
 
     def log_fields(self) -> dict[str, object]:
-        stream, rendered = self.stream, self.rendered
-        if isinstance(stream, ChatStream) and stream.producer_cached_tokens is not None:
-            self.report.cached_tokens = stream.producer_cached_tokens
+        rendered = self.rendered
         if self._sent is None or rendered is None:
             return {}
         request = rendered.request

@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Protocol
 
-from ..exchange import Aborts, Report, Rewrite
+from ..exchange import Aborts, Report, Unmetered
 from ..ops import metrics
 from ..translate.errors import HTTPError
 from ..translate.stall import StallWatch
@@ -38,7 +38,7 @@ FAILURES = {
 }
 
 
-class ProducerExchange:
+class ProducerExchange(Unmetered):
     """The lifecycle of one exchange whose request goes on to a producer."""
 
     endpoint = ""  # the log line's message
@@ -48,7 +48,6 @@ class ProducerExchange:
     def __init__(self, producer: Aborts, x_request_id: str | None, log: logging.Logger) -> None:
         self.producer = producer  # a routing Producer or ClusterProducers: where aborts go
         self.x_request_id = x_request_id
-        self.log = log
         self.report = Report(name=self.endpoint, operation=self.operation, x_request_id=x_request_id, logger=log.name)
         self.stream: LiveStream | None = None  # set once a streamed answer starts
         self._answered = False  # a buffered (non-streaming) answer reached the filter whole
@@ -93,23 +92,10 @@ class ProducerExchange:
         report.asked.model, report.asked.stream = asked(body)
         report.model = report.asked.model
 
-    # -- what a key's budget may ask (``exchange.Exchange``): not by default -----
-    def limit(self, tokens: int, rewrite: Rewrite, outrun: bool) -> bool:
-        return False
-
-    @property
-    def held(self) -> bool:
-        return False
-
     @property
     def generated(self) -> int:
+        """Completion tokens so far (what a key's budget reads while the answer is held)."""
         return self.completion_tokens or 0
-
-    async def resume(self, tokens: int) -> bytes:
-        return b""
-
-    async def cut(self) -> bytes:
-        return b""
 
     # -- the shared lifecycle --------------------------------------------------
     def response_started(self, status: int, upstream: str | None) -> None:
@@ -181,7 +167,6 @@ class ProducerExchange:
         report.complete = complete
         report.completion_tokens = self.completion_tokens
         if self.sent:
-            report.sent = True
             report.request_id = self.request_id or None
             report.asked.stream = self.streamed
             report.prompt_tokens = self.prompt_tokens

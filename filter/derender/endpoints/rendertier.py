@@ -97,7 +97,6 @@ class TierExchange(ProducerExchange):
         super().__init__(producer, x_request_id, log)
         self.tier = tier
         self.paths = paths
-        self.endpoint, self.operation = paths.name, paths.operation
         self.report.name, self.report.operation = paths.name, paths.operation
         self.client_request: Any = None
         self.generate: dict[str, Any] = {}

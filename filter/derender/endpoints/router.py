@@ -20,7 +20,7 @@ from urllib.parse import unquote
 
 import orjson
 
-from ..exchange import Answered, Endpoint, Exchange, Reply, Report, ResponseStart, Rewrite
+from ..exchange import Answered, Endpoint, Exchange, Reply, ResponseStart, Rewrite
 from ..ops import quota
 from ..routing.balance import Balancer, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
@@ -126,10 +126,6 @@ class ModelExchange:
         self.router = router
         self.pipeline = router.pipeline
         self.ctx = ctx
-
-    @property
-    def report(self) -> Report:
-        return self.ctx.exchange.report
 
     @property
     def streaming(self) -> bool:

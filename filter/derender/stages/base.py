@@ -69,10 +69,6 @@ class Pipeline:
         self._started = [s for s in self.stages if _overrides(s, "started")]
         self._end = [s for s in self.stages if _overrides(s, "end")]
 
-    def stage(self, kind: type[Stage]) -> Stage | None:
-        """The pipeline's stage of ``kind``, if it has one."""
-        return next((s for s in self.stages if isinstance(s, kind)), None)
-
     def begin(self, ctx: RequestContext) -> None:
         for stage in self._begin:
             stage.begin(ctx)

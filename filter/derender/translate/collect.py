@@ -80,15 +80,7 @@ class Collected(Decoded):
         if payload == b"[DONE]" or self.outputs.done:
             return False
         try:
-            event = json.loads(payload)
-        except ValueError as exc:
-            raise HTTPError(502, f"invalid producer event: {exc}") from None
-        return self._take(event)
-
-    def _take(self, event: Any) -> bool:
-        """One producer event, parsed: True if the producer must be aborted now."""
-        try:
-            finals, abort = self.decoder.event(event)  # raises HTTPError for the producer's error event
+            finals, abort = self.decoder.event(json.loads(payload))  # HTTPError for the producer's error event
             if finals:
                 self.final = finals[-1]
         except (ProducerError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:

@@ -127,20 +127,7 @@ class ChatStream(Decoded):
         if payload == b"[DONE]":
             return self.end(), False
         try:
-            event = json.loads(payload)
-        except ValueError as exc:
-            return self.fail(502, f"invalid producer event: {exc}"), False
-        return self.take(event)
-
-    @property
-    def producer_cached_tokens(self) -> int | None:
-        """The prompt tokens the producer found in its prefix cache, if its usage said."""
-        return self.decoder.cached
-
-    def take(self, event: Any) -> tuple[bytes, bool]:
-        """One producer event, parsed -> (client bytes, abort producer?)."""
-        try:
-            outs, abort = self.decoder.event(event)
+            outs, abort = self.decoder.event(json.loads(payload))
             self._accept(outs)
         except HTTPError as exc:  # the producer's error event
             return self.fail(exc.status, exc.message, exc.type), False
@@ -151,6 +138,11 @@ class ChatStream(Decoded):
         if self.decoder.ended:
             self._ended = True
         return self._pump(), abort
+
+    @property
+    def producer_cached_tokens(self) -> int | None:
+        """The prompt tokens the producer found in its prefix cache, if its usage said."""
+        return self.decoder.cached
 
     def cut(self) -> bytes:
         """End the answer at the tokens generated so far, as the engine ends one at ``max_tokens``:

@@ -95,10 +95,12 @@ def kept_edits(copy: Copy) -> str:
     return (ORIGINALS / copy.edits).read_text()
 
 
-def report(copy_sources: dict[str, str]) -> list[str]:
+def report(copy_sources: dict[str, str]) -> tuple[list[str], bool]:
     """One line per seam (holds, or how it moved), and for a copied function whose installed original
-    or whose copy is not the kept one, the diff to read. ``copy_sources``: each copy's source now."""
+    or whose copy is not the kept one, the diff to read; and whether everything holds.
+    ``copy_sources``: each copy's source now."""
     moved = vllm_seams.moved()
+    edited = False
     lines = []
     for name, seam in vllm_seams.SEAMS.items():
         lines.append(f"{'MOVED' if name in moved else 'holds'}  {name}  ({seam.where})")
@@ -113,5 +115,6 @@ def report(copy_sources: dict[str, str]) -> list[str]:
             lines += ["       " + line for line in changed.splitlines()]
         source = copy_sources.get(name)
         if source is not None and edits(copy, source) != kept_edits(copy):
+            edited = True
             lines.append(f"       the copy ({copy.copy}) is not the kept original with {copy.edits}'s edits")
-    return lines
+    return lines, not moved and not edited

@@ -125,8 +125,7 @@ def _code(where: str) -> CodeType:
 
 def _same_source(seam: str, where: str, sha256: str) -> None:
     """``where``'s source is the one the filter's copy of it was made from (its digest)."""
-    source = inspect.getsource(inspect.unwrap(_find(where)))
-    if hashlib.sha256(source.encode()).hexdigest() != sha256:
+    if hashlib.sha256(source(where).encode()).hexdigest() != sha256:
         raise SeamChanged(seam, "its source is not the one the filter's copy was made from")
 
 
