@@ -101,7 +101,7 @@ class FullDuplexProcessor(ExternalProcessor):
                     start = exchange.response_headers(int(headers.get(":status", "0") or 0), headers.get(UPSTREAM_HEADER))
                     complete = message.response_headers.end_of_stream
                     await context.write(self._response_start(start))
-                    if exchange.stream is not None:
+                    if exchange.streaming:
                         out = _Coalescer(context)
                 elif kind == "response_body" and out is not None and exchange is not None:
                     body = message.response_body
