@@ -14,7 +14,10 @@ from derender.ops import assets  # noqa: E402
 
 import real_engines  # noqa: E402
 import stack  # noqa: E402
+import threadsafe_logging  # noqa: E402
 from stack import Redis, Stack  # noqa: E402
+
+threadsafe_logging.install()
 
 
 # -- test workers (``pytest -n N``, pytest-xdist; ``make test`` runs the suite on two). The controller
