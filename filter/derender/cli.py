@@ -42,6 +42,8 @@ def served(args: argparse.Namespace, process: Settings):
                 else None,
                 e.render_url,
                 e.routing,
+                e.kv_events,
+                e.kv_events_replay,
             )
             for e in entries
         ]
@@ -105,7 +107,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .routing.balance import RoutingSpec
 
     routing = RoutingSpec(
-        args.routing, args.prefix_block_size, args.prefix_caching_hash_algo, key_blocks=args.prefix_key_blocks
+        args.routing,
+        args.prefix_block_size,
+        args.prefix_caching_hash_algo,
+        key_blocks=args.prefix_key_blocks,
+        kv_events=tuple(e for e in args.kv_events.split(",") if e),
+        kv_events_replay=tuple(e for e in args.kv_events_replay.split(",") if e),
+        kv_events_topic=args.kv_events_topic,
     )
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(

@@ -89,14 +89,29 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
 ROUTING_HELP = (
     "how requests pick a producer replica: least-request (Envoy's own), prefix (consistent hash on the prompt's "
     "prefix key: a conversation's turns stick to a replica), precise (the replica known to hold the longest "
-    "cached prefix, else as prefix). Envoy's producer cluster must balance to match (derender up writes it)"
+    "cached prefix, else as prefix), kv-events (the replica whose own KV cache events say it holds the longest "
+    "run of the prompt's blocks, else as prefix; --kv-events). Envoy's producer cluster must balance to match "
+    "(derender up writes it)"
 )
 
 
+ROUTINGS = ("least-request", "prefix", "precise", "kv-events")  # routing.balance.MODES
+
+
 def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--routing", choices=("least-request", "prefix", "precise"), default="least-request", help=ROUTING_HELP
-    )
+    parser.add_argument("--routing", choices=ROUTINGS, default="least-request", help=ROUTING_HELP)
+    for flag, what in (
+        ("--kv-events", "PUB socket (vllm serve --kv-events-config's endpoint)"),
+        ("--kv-events-replay", "replay socket (replay_endpoint; without it a gap is not filled)"),
+    ):
+        parser.add_argument(
+            flag,
+            default="",
+            metavar="ENDPOINT[,...]",
+            help=f"kv-events routing: each producer's KV events {what}, in --producer's order: tcp://HOST:PORT, "
+            "or :PORT on its own host",
+        )
+    parser.add_argument("--kv-events-topic", default="", help="the producers' KV events topic (default '')")
     parser.add_argument(
         "--prefix-block-size",
         type=int,

@@ -72,6 +72,8 @@ class Backend:
         model: Model | None = None,
         render_url: str | None = None,
         routing: str | None = None,
+        kv_events: tuple[str, ...] = (),
+        kv_events_replay: tuple[str, ...] = (),
     ) -> None:
         if (model is None) == (render_url is None):
             raise ValueError("a backend has either a local model or a render tier URL")
@@ -82,6 +84,7 @@ class Backend:
         self.model = model
         self.tier = rendertier.RenderTier(render_url) if render_url else None
         self.routing = routing  # None: the server's --routing
+        self.kv_events, self.kv_events_replay = kv_events, kv_events_replay  # None: the server's flags
         self.balancer: Balancer | None = None  # set by the Router
         if model is not None:  # built now, not on the first request
             serving_completion(model)
@@ -201,7 +204,11 @@ class Router:
         routing = routing or RoutingSpec()
         for backend in served:
             tokenizer = backend.model.tokenizer if backend.model is not None else None
-            backend.balancer = routing.balancer(tokenizer, backend.routing)
+            producer = backend.producer
+            urls = [p.url for p in producer.producers] if isinstance(producer, ClusterProducers) else [producer.url]
+            backend.balancer = routing.balancer(
+                tokenizer, backend.routing, urls, backend.kv_events, backend.kv_events_replay
+            )
         self.by_name: dict[str, Backend] = {}
         for backend in served:
             for name in backend.names:

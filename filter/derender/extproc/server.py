@@ -337,6 +337,9 @@ async def serve(
     metrics.start_server()
     tracing.configure(settings.otlp_traces_endpoint, settings.trace_sample_ratio)
     watch = loopwatch.start()
+    feeds = [b.balancer.kv for b in router.backends if b.balancer is not None and b.balancer.kv is not None]
+    for kv in feeds:  # kv-events routing: each producer's KV cache events, read on this loop
+        kv.start()
     log.info(
         "ext_proc listening on %s (transport %s%s), producer %s",
         address,
@@ -354,6 +357,8 @@ async def serve(
         if watch is not None:
             watch.cancel()
         await server.stop(grace=2)
+        for kv in feeds:
+            await kv.stop()
         await producer.close()
         tracing.shutdown()
 

@@ -116,7 +116,7 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
     elif routing == "prefix":
         cluster["lb_policy"] = "RING_HASH"
         cluster.setdefault("common_lb_config", {}).update(ring)
-    elif routing == "precise":
+    elif routing in ("precise", "kv-events"):  # a replica named by the filter, else the ring
         ring_hash = {
             "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.ring_hash.v3.RingHash",
             **ring,

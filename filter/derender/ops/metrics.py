@@ -218,13 +218,70 @@ ROUTED_CACHED_TOKENS = Counter(
 )
 
 
-def routed(mode: str, route: str, replica: str | None, prompt_tokens: int, cached_tokens: int | None) -> None:
+def routed(
+    mode: str,
+    route: str,
+    replica: str | None,
+    prompt_tokens: int,
+    cached_tokens: int | None,
+    predicted_tokens: int = 0,
+) -> None:
     """One routed producer request, once it is over."""
     labels = (mode, route, replica or "")
     ROUTED_REQUESTS.labels(*labels).inc()
     ROUTED_PROMPT_TOKENS.labels(*labels).inc(prompt_tokens)
+    if predicted_tokens:
+        ROUTED_PREDICTED_TOKENS.labels(*labels).inc(predicted_tokens)
     if cached_tokens:
         ROUTED_CACHED_TOKENS.labels(*labels).inc(cached_tokens)
+
+
+KV_EVENTS = Counter(
+    "derender_kv_events_batches",
+    "KV cache event batches from each producer replica (kv-events routing), by outcome: received, replayed "
+    "(a gap filled from its replay socket), dropped (malformed, flood), lost (a gap its replay did not hold)",
+    ["replica", "outcome", "why"],
+    registry=REGISTRY,
+)
+KV_EVENTS_EVENTS = Counter(
+    "derender_kv_events", "KV cache events applied to the index, by replica", ["replica"], registry=REGISTRY
+)
+KV_LEFT = Counter(
+    "derender_kv_events_replica_left",
+    "Times a replica left the kv-events index (stale: it served requests and published nothing; flood)",
+    ["replica", "why"],
+    registry=REGISTRY,
+)
+KV_INDEX_BLOCKS = Gauge(
+    "derender_kv_index_blocks",
+    "Per worker: (block, replica) entries of the kv-events index",
+    ["pid"],
+    registry=REGISTRY,
+    multiprocess_mode="liveall",
+)
+ROUTED_PREDICTED_TOKENS = Counter(
+    "derender_routed_predicted_cached_tokens",
+    "Prompt tokens the routing expected the chosen replica to hold (kv-events, precise: matched blocks); "
+    "beside derender_routed_cached_prompt_tokens, the index's accuracy",
+    _ROUTED,
+    registry=REGISTRY,
+)
+
+
+def kv_event(outcome: str, replica: str, why: str = "", count: int = 1) -> None:
+    if outcome in ("received", "replayed"):
+        KV_EVENTS.labels(replica, outcome, "").inc()
+        KV_EVENTS_EVENTS.labels(replica).inc(count)
+    else:
+        KV_EVENTS.labels(replica, outcome, why).inc(count)
+
+
+def kv_left(replica: str, why: str) -> None:
+    KV_LEFT.labels(replica, why).inc()
+
+
+def kv_index_size(entries: int) -> None:
+    KV_INDEX_BLOCKS.labels(str(os.getpid())).set(entries)
 
 
 DEFENCES = Counter(

@@ -43,12 +43,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .kvroute import KvRouting, feed_specs, tie
 from .prefix import Media, PrefixKey
 
 log = logging.getLogger("derender.balance")
 
-LEAST_REQUEST, PREFIX, PRECISE = "least-request", "prefix", "precise"
-MODES = (LEAST_REQUEST, PREFIX, PRECISE)
+LEAST_REQUEST, PREFIX, PRECISE, KV_EVENTS = "least-request", "prefix", "precise", "kv-events"
+MODES = (LEAST_REQUEST, PREFIX, PRECISE, KV_EVENTS)
 KEY_HEADER = "x-derender-prefix-key"
 # Where precise routing's choice travels: Envoy dynamic metadata, never a request header.
 ENDPOINT_NAMESPACE, ENDPOINT_KEY = "envoy.lb", "x-gateway-destination-endpoint"
@@ -61,7 +62,7 @@ class Decision:
     mode: str
     prompt_tokens: int = 0
     key_blocks: int = 0  # leading blocks the key covers
-    matched_blocks: int = 0  # precise: blocks the chosen replica is known to hold
+    matched_blocks: int = 0  # precise, kv-events: blocks the chosen replica is known to hold
     chosen: str | None = None  # precise: the replica asked for (ENDPOINT_KEY)
     why: str = ""  # precise: match, bound (the match was too loaded), key (nothing known beyond the key)
     chain: list[int] | None = None
@@ -77,7 +78,7 @@ class Decision:
             "prefix_blocks": self.key_blocks,
             "routing_us": round(self.cpu_us, 1),
         }
-        if self.mode == PRECISE:
+        if self.mode in (PRECISE, KV_EVENTS):
             out["route"] = self.why
             out["matched_blocks"] = self.matched_blocks
         return out
@@ -102,14 +103,19 @@ class Balancer:
     REMEMBER = 1 << 18  # stretch ids remembered; the oldest tenth is dropped when full
     STRIDE = 4  # blocks per stretch of the precise index
 
-    def __init__(self, mode: str, key: PrefixKey, bound: float = 1.25) -> None:
+    def __init__(self, mode: str, key: PrefixKey, bound: float = 1.25, kv: KvRouting | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"routing must be one of {', '.join(MODES)}")
+        if (mode == KV_EVENTS) != (kv is not None):
+            raise ValueError("kv-events routing needs the replicas' events (and only it uses them)")
         self.mode = mode
         self.prefix_key = key
         self.bound = bound
         self.owners: dict[int, str] = {}  # block id -> the replica that last served it
         self.in_flight: dict[str, int] = {}  # known replicas -> this process's requests there
+        self.kv = kv
+        if kv is not None:
+            self.in_flight = dict.fromkeys(kv.feeds, 0)
 
     def route(
         self,
@@ -127,7 +133,9 @@ class Balancer:
         size = self.prefix_key.hasher.block_size
         decision.key_blocks = covered // size
         headers = {KEY_HEADER: key} if key else {}
-        if self.mode == PRECISE:
+        if self.mode == KV_EVENTS:
+            self._kv_route(decision, ids, key, cache_salt, lora, media)
+        elif self.mode == PRECISE:
             # The index starts where the key ends: what lies within the key, the hash places.
             decision.chain = block_chain(ids[covered:], size * self.STRIDE, key)
             best, depth = self._longest(decision.chain)
@@ -142,6 +150,30 @@ class Balancer:
                 decision.why, decision.chosen, decision.matched_blocks = "match", best, depth
                 self._count(decision, best)
         return headers, decision
+
+    def _kv_route(
+        self,
+        decision: Decision,
+        ids: Sequence[int],
+        key: str | None,
+        cache_salt: str | None,
+        lora: tuple[str, str] | None,
+        media: Sequence[Media],
+    ) -> None:
+        """The replica holding the longest run of the prompt's blocks, unless it is too loaded."""
+        assert self.kv is not None
+        decision.chain = chain = self.kv.chain(ids, cache_salt, lora, media)
+        depth = self.kv.matches(chain)
+        if not depth:
+            decision.why = "key"
+            return
+        in_flight = self.in_flight
+        best = min(depth, key=lambda r: (-depth[r], in_flight.get(r, 0), tie(key, r)))
+        if in_flight.get(best, 0) + 1 > max(1.0, self.bound * (sum(in_flight.values()) + 1) / max(1, len(in_flight))):
+            decision.why = "bound"
+            return
+        decision.why, decision.chosen, decision.matched_blocks = "match", best, depth[best]
+        self._count(decision, best)
 
     def _longest(self, chain: list[int]) -> tuple[str | None, int]:
         """The live replica that last served the longest leading run of ``chain``, and its length."""
@@ -166,6 +198,12 @@ class Balancer:
     def started(self, decision: Decision, upstream: str | None, status: int) -> None:
         """The producer's response started (``upstream``: the replica Envoy reached)."""
         decision.served = upstream
+        if self.mode == KV_EVENTS:
+            self._count(decision, upstream if upstream is not None and status == 200 else None)
+            if self.kv is not None and upstream is not None and status == 200 and decision.chain:
+                matched = decision.matched_blocks if upstream == decision.chosen else 0
+                self.kv.started(upstream, decision.chain, matched)
+            return
         if self.mode != PRECISE:
             return
         if decision.chosen is not None and upstream != decision.chosen:
@@ -184,7 +222,7 @@ class Balancer:
 
     def finished(self, decision: Decision) -> None:
         """The exchange is over: no longer in flight."""
-        if self.mode == PRECISE:
+        if self.mode in (PRECISE, KV_EVENTS):
             self._count(decision, None)
 
     def forget(self, replica: str, why: str) -> None:
@@ -201,9 +239,21 @@ class RoutingSpec:
     hash_algo: str = "sha256"  # --prefix-caching-hash-algo, as the producers run
     bound: float = 1.25  # precise: a matched replica's share of requests in flight, over the mean
     key_blocks: int = 256  # --prefix-key-blocks: the most blocks a key covers
+    kv_events: tuple[str, ...] = ()  # --kv-events: each producer's events endpoint (kvroute)
+    kv_events_replay: tuple[str, ...] = ()  # --kv-events-replay
+    kv_events_topic: str = ""  # --kv-events-topic
 
-    def balancer(self, tokenizer: object | None, mode: str | None = None) -> Balancer | None:
-        """A ``Balancer`` for one model (its tokenizer finds the first answer's header), or None."""
+    def balancer(
+        self,
+        tokenizer: object | None,
+        mode: str | None = None,
+        producer_urls: Sequence[str] = (),
+        kv_events: Sequence[str] | None = None,
+        kv_events_replay: Sequence[str] | None = None,
+    ) -> Balancer | None:
+        """A ``Balancer`` for one model (its tokenizer finds the first answer's header), or None;
+        kv-events routing subscribes to ``producer_urls``' events (``kv_events``: a config entry's
+        own endpoints, else the flags')."""
         mode = mode or self.mode
         if mode == LEAST_REQUEST:
             return None
@@ -211,4 +261,13 @@ class RoutingSpec:
 
         marker = answer_marker(tokenizer) if tokenizer is not None else ()
         hasher = BlockHasher(self.block_size, self.hash_algo)
-        return Balancer(mode, PrefixKey(hasher, marker, self.key_blocks), self.bound)
+        kv = None
+        if mode == KV_EVENTS:
+            specs = feed_specs(
+                producer_urls,
+                kv_events or self.kv_events,
+                kv_events_replay or self.kv_events_replay,
+                self.kv_events_topic,
+            )
+            kv = KvRouting(hasher, specs)
+        return Balancer(mode, PrefixKey(hasher, marker, self.key_blocks), self.bound, kv)

@@ -13,7 +13,9 @@ YAML, one entry per served model::
         producer:
           cluster: qwen3                # Envoy cluster of this model's producers
           url: http://10.0.0.7:8000     # or a list of URLs (one cluster, several endpoints)
-        routing: prefix                 # least-request | prefix | precise (default: --routing)
+          kv_events: [tcp://10.0.0.7:5557]   # kv-events routing: each URL's events (or ":5557" for all)
+          kv_events_replay: [":5558"]        # and their replay sockets (optional)
+        routing: prefix                 # least-request | prefix | precise | kv-events (default: --routing)
       - name: [r1, deepseek-r1]
         render_url: http://10.0.0.9:8000   # render-tier mode: no model is loaded for it
         producer: {cluster: r1, url: http://10.0.0.8:8000}
@@ -38,7 +40,7 @@ from ..translate.model import ModelSpec
 
 CLUSTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 RESERVED_CLUSTERS = {"derender"}  # the ext_proc cluster of the Envoy templates
-ROUTINGS = ("least-request", "prefix", "precise")  # derender.routing.balance.MODES
+ROUTINGS = ("least-request", "prefix", "precise", "kv-events")  # derender.routing.balance.MODES
 _KEYS = {
     "name",
     "model",
@@ -74,6 +76,8 @@ class ModelEntry:
     producer_urls: tuple[str, ...]
     render_url: str | None = None
     routing: str | None = None  # None: the --routing flag's
+    kv_events: tuple[str, ...] = ()  # the producers' KV events endpoints (None: the flags')
+    kv_events_replay: tuple[str, ...] = ()
 
     @property
     def producer_url(self) -> str:
@@ -107,8 +111,18 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: 'name' must be a model name or a list of names")
     producer = item.get("producer")
-    if not isinstance(producer, dict) or set(producer) - {"cluster", "url"}:
-        raise ConfigError(f"{where}: 'producer' must be a mapping with 'cluster' and 'url'")
+    if not isinstance(producer, dict) or set(producer) - {"cluster", "url", "kv_events", "kv_events_replay"}:
+        raise ConfigError(
+            f"{where}: 'producer' must be a mapping with 'cluster' and 'url' (and optionally 'kv_events', "
+            "'kv_events_replay')"
+        )
+    events = {}
+    for name in ("kv_events", "kv_events_replay"):
+        value = producer.get(name, [])
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{where}: producer.{name} must be an endpoint or a list of endpoints")
+        events[name] = tuple(value)
     cluster, urls = producer.get("cluster"), producer.get("url")
     urls = [urls] if isinstance(urls, str) else urls
     if not isinstance(cluster, str) or not CLUSTER_NAME.match(cluster) or cluster in RESERVED_CLUSTERS:
@@ -126,7 +140,7 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
     routing = item.get("routing")
     if routing is not None and routing not in ROUTINGS:
         raise ConfigError(f"{where}: routing must be one of {', '.join(ROUTINGS)}")
-    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url, routing)
+    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url, routing, **events)
 
 
 def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> ModelSpec:

@@ -42,7 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache-blocks",
         type=int,
         default=0,
-        help="model vLLM's prefix cache: an LRU of this many 16-token blocks (0: none)",
+        help="model vLLM's prefix cache: an LRU of this many blocks of --block-size tokens (0: none)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per prefix-cache block (vLLM's flag)")
+    parser.add_argument(
+        "--kv-events-config",
+        metavar="JSON",
+        help="publish the prefix cache's stores and evictions as vLLM's KV cache events: vllm serve's own flag "
+        'and JSON, e.g. {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}; the block hashes are vLLM\'s',
+    )
+    parser.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=("sha256", "sha256_cbor"),
+        help="the block hash of the published events (vLLM's flag; default sha256)",
     )
     parser.add_argument(
         "--prefill-us-per-token",
@@ -60,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _announce(args: argparse.Namespace) -> None:
     cache = f", prefix cache of {args.prefix_cache_blocks} blocks" if args.prefix_cache_blocks else ""
+    if args.kv_events_config:
+        cache += ", publishing KV cache events"
     logging.getLogger("derender.sim").info(
         "simulator (%s mode%s) on http://%s:%d", args.mode, cache, args.host, args.port
     )
@@ -80,6 +96,9 @@ def main(args: argparse.Namespace) -> int:
         prefill_us_per_token=args.prefill_us_per_token,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         lockstep=args.lockstep,
+        kv_events_config=args.kv_events_config,
+        block_size=args.block_size,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
     try:
         import uvloop

@@ -1,46 +1,77 @@
-"""vLLM's prefix cache, modelled (``--prefix-cache-blocks``)."""
+"""vLLM's prefix cache, modelled (``--prefix-cache-blocks``), publishing what it stores and evicts as
+vLLM's KV cache events when ``--kv-events-config`` asks (``kvevents``)."""
 
 from __future__ import annotations
 
 import collections
 import hashlib
+from collections.abc import Sequence
+
+from .kvevents import KvEvents, Media
 
 
 class PrefixCache:
-    """vLLM's prefix cache, modelled: an LRU of full blocks of ``BLOCK`` tokens, each known by
+    """vLLM's prefix cache, modelled: an LRU of full blocks of ``block_size`` tokens, each known by
     the hash of its whole prefix (a chain, as vLLM hashes them). A request finds the leading
-    blocks of its prompt that are cached; when it ends, its prompt and output blocks are cached.
-    ``capacity`` 0: no cache (nothing is ever found)."""
+    blocks of its prompt that are cached; its prompt's blocks are cached once it is prefilled and its
+    output's when it ends. ``capacity`` 0: no cache (nothing is ever found).
 
-    BLOCK = 16
+    With ``events`` the hashes are vLLM's own (with the cache salt and images as vLLM keys them) and
+    each store and eviction is published; without, a cheap stand-in chain over the tokens alone."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, block_size: int = 16, events: KvEvents | None = None) -> None:
         self.capacity = max(0, int(capacity))
-        self.blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.block_size = block_size if events is None else events.block_size
+        self.events = events
+        self.blocks: collections.OrderedDict[object, None] = collections.OrderedDict()
 
-    def chain(self, token_ids: list[int]) -> list[bytes]:
-        hashes, parent = [], b""
-        for start in range(0, len(token_ids) // self.BLOCK * self.BLOCK, self.BLOCK):
-            block = token_ids[start : start + self.BLOCK]
+    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> list:
+        if self.events is not None:
+            return self.events.chain(token_ids, cache_salt, media)
+        out, parent, size = [], b"", self.block_size
+        for start in range(0, len(token_ids) // size * size, size):
+            block = tuple(token_ids[start : start + size])
             parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=16).digest()
-            hashes.append(parent)
-        return hashes
+            out.append((parent, None, block))
+        return out
 
-    def cached_tokens(self, prompt: list[int]) -> int:
+    def cached_tokens(self, prompt: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> int:
         """Tokens of ``prompt`` found in the cache (whole leading blocks), which become recent."""
         found = 0
-        for h in self.chain(prompt):
+        for h, _, _ in self.chain(prompt, cache_salt, media):
             if h not in self.blocks:
                 break
             self.blocks.move_to_end(h)
             found += 1
-        return found * self.BLOCK
+        return found * self.block_size
 
-    def store(self, token_ids: list[int]) -> None:
+    def store(self, token_ids: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> None:
         if not self.capacity:
             return
-        for h in self.chain(token_ids):
+        events: list = []
+        chain = self.chain(token_ids, cache_salt, media)
+        run: list[tuple] = []
+        run_parent = None
+        for i, entry in enumerate(chain):
+            h = entry[0]
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+                if run:
+                    events.append(self._stored(run, run_parent))
+                    run = []
+                continue
+            if not run:
+                run_parent = chain[i - 1][0] if i else None
             self.blocks[h] = None
-            self.blocks.move_to_end(h)
+            run.append(entry)
+        if run:
+            events.append(self._stored(run, run_parent))
         while len(self.blocks) > self.capacity:
-            self.blocks.popitem(last=False)
+            old, _ = self.blocks.popitem(last=False)
+            if self.events is not None:
+                events.append(self.events.removed(old))
+        if self.events is not None:
+            self.events.publish(events)
+
+    def _stored(self, run: list[tuple], parent: object) -> object:
+        return None if self.events is None else self.events.stored(run, parent)

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from .cache import PrefixCache
 from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
+from .kvevents import KvEvents
 from .serving import Serving
 from .wire import _TURNS, FAULTS, RequestError, _json_response, preload_features_decoder
 
@@ -35,6 +36,9 @@ class Simulator(Serving):
         prefill_us_per_token: float = 0.0,
         prompt_tokens_details: bool = False,
         lockstep: bool = False,
+        kv_events_config: str | None = None,
+        block_size: int = 16,
+        prefix_caching_hash_algo: str = "sha256",
     ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
@@ -74,7 +78,8 @@ class Simulator(Serving):
         self.running: dict[str, set[_Generation]] = collections.defaultdict(set)
         self.held: set[_Generation] = set()
         self.hold_after: int | str | None = None
-        self.cache = PrefixCache(prefix_cache_blocks)
+        events = KvEvents(kv_events_config, block_size, prefix_caching_hash_algo) if kv_events_config else None
+        self.cache = PrefixCache(prefix_cache_blocks, block_size, events)
         self.prefill_us_per_token = prefill_us_per_token
         self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details

@@ -32,6 +32,13 @@ class Routing(Stage):
         decision = ctx.route
         if ctx.balancer is not None and decision is not None:
             ctx.balancer.finished(decision)
+            size = ctx.balancer.prefix_key.hasher.block_size
+            predicted = decision.matched_blocks * size if decision.chosen == decision.served else 0
             metrics.routed(
-                decision.mode, decision.why or "key", decision.served, decision.prompt_tokens, ctx.report.cached_tokens
+                decision.mode,
+                decision.why or "key",
+                decision.served,
+                decision.prompt_tokens,
+                ctx.report.cached_tokens,
+                min(predicted, decision.prompt_tokens),
             )

@@ -1,0 +1,225 @@
+"""A producer replica's KV cache events, read as vLLM publishes them (``vllm serve --kv-events-config``).
+
+vLLM's ``ZmqEventPublisher`` sends multipart ``(topic, sequence number as 8 bytes big-endian, msgpack
+KVEventBatch)`` on a PUB socket and answers a request for the batches from a sequence number on a
+ROUTER replay socket (each as ``(topic, seq, payload)``, then an end marker of seq -1). A ``Feed`` is
+one SUB socket on the worker's own event loop (``zmq.asyncio``), decoding with vLLM's own types
+(``vllm.distributed.kv_events.KVEventBatch``) into a ``KvIndex``.
+
+Faults, each counted (``derender_kv_events_*``) and none of them able to stall or end a worker:
+- a gap in the sequence numbers (the feed's start is one: from 0) is filled from the replay socket,
+  at most ``REPLAY_S`` seconds of waiting; what the replay does not hold is lost, and logged;
+- sequence numbers going back: the replica restarted; what it held is forgotten;
+- a message over ``max_bytes`` (ZMQ's ``MAXMSGSIZE``: the publisher is disconnected), not three
+  frames, or not vLLM's batch: dropped;
+- more than ``max_rate`` batches a second (a flood): the replica leaves the index and its feed
+  pauses for ``PAUSE_S`` seconds;
+- a replica that served requests with new blocks and published nothing for ``stale_s`` seconds
+  (down, unreachable, or not publishing): it leaves the index, logged once, until its events come
+  again. An idle replica publishes nothing and is not stale.
+A replica out of the index is routed by the consistent hash on the prefix key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..ops import metrics
+from .kvindex import KvIndex
+
+log = logging.getLogger("derender.kvevents")
+
+END_SEQ = -1
+REPLAY_S = 2.0  # seconds a replay may take
+PAUSE_S = 30.0  # a flooding publisher's feed rests this long
+
+
+@dataclass(frozen=True)
+class FeedSpec:
+    """Where one replica publishes: ``replica`` is Envoy's name for it (``IP:PORT``)."""
+
+    replica: str
+    endpoint: str  # tcp://host:port of its PUB socket
+    replay: str | None = None  # tcp://host:port of its ROUTER replay socket
+    topic: str = ""
+
+
+class Feed:
+    def __init__(
+        self, spec: FeedSpec, index: KvIndex, max_bytes: int = 16 << 20, max_rate: float = 20_000, stale_s: float = 30.0
+    ) -> None:
+        self.spec = spec
+        self.index = index
+        self.max_bytes = max_bytes
+        self.max_rate = max_rate
+        self.stale_s = stale_s
+        self.next_seq: int | None = None
+        self.last_event = 0.0  # monotonic
+        self.waiting_since: float | None = None  # a request with new blocks went there, no event since
+        self.in_index = True
+        self.task: asyncio.Task | None = None
+        self._decoder: Any = None
+
+    # -- the routing side --------------------------------------------------------------------------
+    def expect(self, now: float) -> None:
+        """A request that must store blocks there started: its events should follow."""
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    def check(self, now: float) -> None:
+        if self.in_index and self.waiting_since is not None and now - self.waiting_since > self.stale_s:
+            self.leave(f"no KV events for {self.stale_s:g} s while it served requests")
+
+    def leave(self, why: str) -> None:
+        if self.in_index:
+            self.in_index = False
+            log.warning(
+                "kv-events routing: replica %s leaves the index (%s); routed by the hash", self.spec.replica, why
+            )
+            metrics.kv_left(self.spec.replica, why.split(" (")[0].split(" for ")[0])
+        self.index.cleared(self.spec.replica)
+        self.waiting_since = None
+
+    # -- the events side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.spec.replica}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+            self.task = None
+
+    def _decode(self, payload: bytes):
+        if self._decoder is None:
+            import msgspec
+            from vllm.distributed.kv_events import KVEventBatch
+
+            self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        return self._decoder.decode(payload)
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        context = zmq.asyncio.Context.instance()
+        while True:
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+            sub.setsockopt(zmq.RCVHWM, 100_000)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(self.spec.endpoint)
+            sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
+            try:
+                flooded = await self._read(sub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("kv-events feed of %s failed: %s", self.spec.replica, exc)
+                flooded = True
+            finally:
+                sub.close(linger=0)
+            if flooded:
+                await asyncio.sleep(PAUSE_S)
+
+    async def _read(self, sub) -> bool:
+        """Read until a flood (True)."""
+
+        window, count = time.monotonic(), 0
+        while True:
+            if not await sub.poll(timeout=1000):
+                self.check(time.monotonic())
+                continue
+            frames = await sub.recv_multipart(copy=True)
+            now = time.monotonic()
+            if now - window >= 1.0:
+                window, count = now, 0
+            count += 1
+            if count > self.max_rate:
+                metrics.kv_event("dropped", self.spec.replica, "flood")
+                self.leave(f"more than {self.max_rate:g} batches a second")
+                return True
+            if count % 64 == 0:
+                await asyncio.sleep(0)  # a burst does not hold the loop
+            if len(frames) != 3 or len(frames[1]) != 8:
+                metrics.kv_event("dropped", self.spec.replica, "malformed")
+                continue
+            seq = int.from_bytes(frames[1], "big", signed=True)
+            if self.next_seq is not None and seq < self.next_seq:
+                log.info(
+                    "kv-events: replica %s restarted its events (seq %d after %d)",
+                    self.spec.replica,
+                    seq,
+                    self.next_seq - 1,
+                )
+                self.index.cleared(self.spec.replica)
+                self.next_seq = None
+            if seq != (self.next_seq or 0) and self.spec.replay is not None:
+                await self._replay(self.next_seq or 0, seq)
+            self._apply(frames[2], "received")
+            self.next_seq = seq + 1
+
+    async def _replay(self, start: int, until: int) -> None:
+        """Batches [start, until) from the replica's replay socket."""
+        import zmq
+        import zmq.asyncio
+
+        assert self.spec.replay is not None
+        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.spec.replay)
+        got, deadline = start, time.monotonic() + REPLAY_S
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while (left := deadline - time.monotonic()) > 0 and await dealer.poll(timeout=int(left * 1000) + 1):
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4 or len(frames[2]) != 8:
+                    metrics.kv_event("dropped", self.spec.replica, "malformed")
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    break
+                if start <= seq < until and seq >= got:
+                    self._apply(frames[3], "replayed")
+                    got = seq + 1
+        finally:
+            dealer.close(linger=0)
+        if got < until:
+            metrics.kv_event("lost", self.spec.replica, "not replayed", until - got)
+            log.warning(
+                "kv-events: %d batches of replica %s (seq %d-%d) could not be replayed",
+                until - got,
+                self.spec.replica,
+                got,
+                until - 1,
+            )
+
+    def _apply(self, payload: bytes, how: str) -> None:
+        try:
+            batch = self._decode(payload)
+        except Exception:  # noqa: BLE001 - msgspec's errors: not vLLM's batch
+            metrics.kv_event("dropped", self.spec.replica, "malformed")
+            return
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        replica, index = self.spec.replica, self.index
+        self.last_event = time.monotonic()
+        self.waiting_since = None
+        if not self.in_index:
+            self.in_index = True
+            log.info("kv-events routing: replica %s is back in the index", replica)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                index.stored(replica, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                index.removed(replica, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                index.cleared(replica)
+        metrics.kv_event(how, replica, "", len(batch.events))
+        metrics.kv_index_size(len(index))

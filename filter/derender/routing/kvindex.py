@@ -1,0 +1,130 @@
+"""What each producer replica holds in its prefix cache, from vLLM's KV cache events (``kvfeed``).
+
+Blocks are known by vLLM's external block hash: a 64-bit integer (vLLM's default,
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or, from producers that publish bytes, the same 64 bits
+taken from them; the filter's own chain (``prefix.BlockHasher``, vLLM's ``hash_block_tokens``) is
+turned into that form by ``external``. A prompt's match on a replica is the longest leading run of its
+blocks the replica holds (a block hash chains its whole prefix, so a held block implies its parents
+were computed; vLLM looks its cache up the same way).
+
+Bounded: at most ``max_blocks`` (block, replica) entries in all; past it the oldest tenth of the
+blocks is forgotten (a forgotten block only costs a routing hit, never an answer).
+
+Between a routing decision and the replica's ``BlockStored``, the replica counts as holding the
+prompt's blocks for ``predict_s`` seconds (``predict``): a conversation's burst of requests goes to one
+replica instead of scattering before the first of them is prefilled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+MASK = (1 << 64) - 1
+
+
+def external(block_hash: object) -> int:
+    """vLLM's external form of a block hash (``maybe_convert_block_hash``), as an int."""
+    if isinstance(block_hash, int):
+        return block_hash & MASK
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        return int.from_bytes(bytes(block_hash), "big") & MASK
+    raise TypeError(f"a block hash is an int or bytes, not {type(block_hash).__name__}")
+
+
+class KvIndex:
+    """Block hash -> the replicas holding it (confirmed by their events, or predicted for a while)."""
+
+    def __init__(self, max_blocks: int = 1 << 20, predict_s: float = 2.0) -> None:
+        self.max_blocks = max_blocks
+        self.predict_s = predict_s
+        self.holders: dict[int, set[str]] = {}  # insertion order: the oldest first
+        self.held: dict[str, set[int]] = {}  # replica -> its blocks (AllBlocksCleared, a replica dropped)
+        self.entries = 0
+        self.predicted: dict[int, dict[str, float]] = {}  # block -> replica -> until (monotonic seconds)
+
+    # -- events -------------------------------------------------------------------------------
+    def stored(self, replica: str, hashes: Iterable[object]) -> None:
+        held = self.held.setdefault(replica, set())
+        holders = self.holders
+        for h in hashes:
+            block = external(h)
+            owners = holders.get(block)
+            if owners is None:
+                owners = holders[block] = set()
+            if replica not in owners:
+                owners.add(replica)
+                held.add(block)
+                self.entries += 1
+            guess = self.predicted.get(block)
+            if guess is not None:
+                guess.pop(replica, None)
+        if self.entries > self.max_blocks:
+            self._shrink()
+
+    def removed(self, replica: str, hashes: Iterable[object]) -> None:
+        held = self.held.get(replica, set())
+        predicted = self.predicted
+        for h in hashes:
+            block = external(h)
+            guess = predicted.get(block)
+            if guess is not None:
+                guess.pop(replica, None)  # evicted: not held, whatever was predicted
+            owners = self.holders.get(block)
+            if owners is not None and replica in owners:
+                owners.discard(replica)
+                held.discard(block)
+                self.entries -= 1
+                if not owners:
+                    del self.holders[block]
+
+    def cleared(self, replica: str) -> None:
+        """AllBlocksCleared, or the replica left the index: nothing of it is known any more."""
+        held = self.held.pop(replica, set())
+        for block in held:
+            owners = self.holders.get(block)
+            if owners is not None:
+                owners.discard(replica)
+                if not owners:
+                    del self.holders[block]
+        self.entries -= len(held)
+        for guess in self.predicted.values():
+            guess.pop(replica, None)
+
+    def _shrink(self) -> None:
+        for block in list(itertools.islice(self.holders, max(1, len(self.holders) // 10))):
+            for replica in self.holders.pop(block):
+                self.held[replica].discard(block)
+                self.entries -= 1
+
+    # -- routing ------------------------------------------------------------------------------
+    def predict(self, replica: str, chain: Sequence[int], now: float) -> None:
+        until = now + self.predict_s
+        predicted = self.predicted
+        if len(predicted) > self.max_blocks // 4:
+            for block in [b for b, g in predicted.items() if all(t < now for t in g.values())]:
+                del predicted[block]
+        held = self.held.get(replica, ())
+        for block in chain:
+            if block not in held:  # what its events already confirm needs no guess
+                predicted.setdefault(block, {})[replica] = until
+
+    def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
+        """Each replica holding a leading run of ``chain``: the run's length in blocks."""
+        depth: dict[str, int] = {}
+        alive: set[str] | None = None
+        holders, predicted = self.holders, self.predicted
+        for i, block in enumerate(chain):
+            owners = holders.get(block, set())
+            guess = predicted.get(block)
+            if guess:
+                owners = owners | {r for r, until in guess.items() if until > now}
+            alive = owners if alive is None else alive & owners
+            if not alive:
+                break
+            for replica in alive:
+                depth[replica] = i + 1
+        return depth
+
+    def __len__(self) -> int:
+        return self.entries

@@ -1,0 +1,117 @@
+"""``--routing kv-events``: each request to the replica whose prefix cache holds the longest run of the
+prompt's exact blocks, as the replicas' own KV cache events say (``kvfeed``, ``kvindex``).
+
+The prompt's blocks are vLLM's chain (``prefix.BlockHasher``: ``hash_block_tokens``, the cache salt,
+LoRA adapter and images as vLLM keys them), in vLLM's external form. The replica with the longest
+match is chosen unless it has more of this process's requests in flight than ``bound`` times the
+mean (counting this one); ties go to the fewest in flight, then to a hash of the prefix key and the
+replica's name (the same in every process). No match, or the bound: Envoy's consistent hash on the
+prefix key decides, as in ``prefix`` mode. Every worker and every filter process subscribes to the
+same events, so all decide alike without a shared store (only their own in-flight counts differ).
+
+Endpoints: ``--kv-events`` names each producer's PUB socket, in the order of ``--producer``'s URLs:
+``tcp://HOST:PORT``, or ``:PORT`` for the producer URL's own host; ``--kv-events-replay`` its replay
+socket the same way (optional; without it a gap is not filled). A producer's ``replica`` name is its
+URL's ``IP:PORT`` (a host name resolved once, at start), as Envoy names the replica it reached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from .kvfeed import Feed, FeedSpec
+from .kvindex import KvIndex, external
+from .prefix import BlockHasher, Media
+
+
+def replica_of(url: str) -> str:
+    """``IP:PORT`` of a producer URL, as Envoy's upstream address names it."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        ip = str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError:
+        ip = host
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _endpoint(item: str, url: str) -> str:
+    item = item.strip()
+    if item.startswith(":"):
+        host = urlsplit(url if "://" in url else f"http://{url}").hostname or "127.0.0.1"
+        return f"tcp://{host}{item}"
+    if not item.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, ipc://PATH or :PORT, not {item!r}")
+    return item
+
+
+def feed_specs(
+    urls: Sequence[str], events: Sequence[str], replays: Sequence[str] = (), topic: str = ""
+) -> list[FeedSpec]:
+    """One ``FeedSpec`` per producer URL (``events`` and ``replays`` in their order; one ``:PORT`` item
+    stands for every producer)."""
+    if not events:
+        raise ValueError("kv-events routing needs each producer's events endpoint (--kv-events)")
+    events = list(events) * len(urls) if len(events) == 1 and events[0].strip().startswith(":") else list(events)
+    replays = list(replays) * len(urls) if len(replays) == 1 and replays[0].strip().startswith(":") else list(replays)
+    if len(events) != len(urls) or (replays and len(replays) != len(urls)):
+        raise ValueError(f"{len(urls)} producer URLs need as many KV events endpoints (and replay endpoints, if any)")
+    return [
+        FeedSpec(replica_of(url), _endpoint(e, url), _endpoint(replays[i], url) if replays else None, topic)
+        for i, (url, e) in enumerate(zip(urls, events, strict=True))
+    ]
+
+
+def tie(key: str | None, replica: str) -> int:
+    """The same order of tied replicas in every process (Python's own hash is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
+
+
+class KvRouting:
+    """One model's KV-event view in one worker process: the index, a feed per replica."""
+
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        specs: Sequence[FeedSpec],
+        max_blocks: int = 1 << 20,
+        predict_s: float = 2.0,
+        chain_blocks: int = 1024,
+        stale_s: float = 30.0,
+    ) -> None:
+        self.hasher = hasher
+        self.index = KvIndex(max_blocks, predict_s)
+        self.feeds = {spec.replica: Feed(spec, self.index, stale_s=stale_s) for spec in specs}
+        self.chain_blocks = chain_blocks
+
+    def start(self) -> None:
+        for feed in self.feeds.values():
+            feed.start()
+
+    async def stop(self) -> None:
+        for feed in self.feeds.values():
+            await feed.stop()
+
+    def chain(
+        self, ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None, media: Sequence[Media]
+    ) -> list[int]:
+        hashes = self.hasher.chain(ids, cache_salt, limit=self.chain_blocks, lora=lora, media=media)
+        return [external(h) for h in hashes]
+
+    def matches(self, chain: Sequence[int]) -> dict[str, int]:
+        depth = self.index.match(chain, time.monotonic())
+        return {r: d for r, d in depth.items() if (feed := self.feeds.get(r)) is not None and feed.in_index}
+
+    def started(self, replica: str, chain: Sequence[int], matched: int) -> None:
+        """A request reached ``replica``: it holds the chain from now on (predicted until its events
+        say so), and unless it already held all of it, its events should follow."""
+        now = time.monotonic()
+        self.index.predict(replica, chain, now)
+        feed = self.feeds.get(replica)
+        if feed is not None and matched < len(chain):
+            feed.expect(now)
