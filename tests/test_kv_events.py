@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import msgspec
 import pytest
@@ -102,14 +101,17 @@ class Fleet:
         self.procs: list[Proc] = []
         self.bases: list[str] = []
         self.filters: list[Proc] = []
+        self.metrics: list[int] = []
 
     def add_gateway(self) -> str:
         urls = [url for _, url, _, _ in self.sims]
         events = ",".join(f"tcp://127.0.0.1:{pub}" for _, _, pub, _ in self.sims)
         replays = ",".join(f"tcp://127.0.0.1:{replay}" for _, _, _, replay in self.sims)
+        metrics_port = free_port()
         flt, port = start_filter(["--model", self.model_dir, "--served-model-name", "qwen3", "--routing", "kv-events",
                                   "--kv-events", events, "--kv-events-replay", replays, "--kv-events-topic", "kv",
-                                  "--workers", "1"], ",".join(urls))
+                                  "--workers", "1", "--metrics-port", str(metrics_port)], ",".join(urls))
+        self.metrics.append(metrics_port)
         self.procs.append(flt)
         self.filters.append(flt)
         cluster = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, "kv-events"))
@@ -132,6 +134,19 @@ class Fleet:
         wait_for(lambda: healthy() == len(self.sims), "every replica healthy in Envoy", 30)
         self.bases.append(base)
         return base
+
+    def caught_up(self) -> None:
+        """Every filter has read every batch the simulators published (live or replayed)."""
+        published = sum(json.loads(http_get(url + "/sim/stats")[1])["kv_event_batches"] for _, url, _, _ in self.sims)
+
+        def read(port: int) -> float:
+            text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("derender_kv_events_batches_total{")
+                       and ('outcome="received"' in line or 'outcome="replayed"' in line))
+
+        for port in self.metrics:
+            wait_for(lambda p=port: read(p) >= published, "the filter's view of every published batch")
 
     def received(self) -> list[int]:
         return [json.loads(http_get(url + "/sim/stats")[1])["received"] for _, url, _, _ in self.sims]
@@ -187,7 +202,7 @@ def test_a_prompt_goes_to_the_replica_whose_events_say_it_holds_it(fleet):
     generate(fleet.sims[other][1], prompt)
     generate(fleet.sims[first][1], list(range(20000, 20000 + 16 * 70)))
     flt = fleet.filters[0]
-    time.sleep(0.5)  # the events cross a ZMQ socket to the filter's worker
+    fleet.caught_up()  # the events cross a ZMQ socket to the filter's worker
     again = fleet.chat(base, messages)
     assert again == other, (first, other, again)
     route = wait_for(lambda: len(r := fleet.routes(flt)) >= 2 and r[-1], "the second request's log line")
@@ -207,7 +222,7 @@ def test_two_filter_processes_fed_the_same_events_choose_alike(fleet):
         elsewhere = (placed + 2) % 3
         generate(fleet.sims[elsewhere][1], prompt)
         generate(fleet.sims[placed][1], list(range(40000 + n * 2000, 40000 + n * 2000 + 16 * 70)))  # evicted there
-        time.sleep(0.5)
+        fleet.caught_up()
         assert fleet.chat(first, messages) == elsewhere, n
         assert fleet.chat(second, messages) == elsewhere, n
     for flt in fleet.filters:

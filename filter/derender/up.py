@@ -119,6 +119,13 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 SIM_CACHE_BLOCKS = 16384
 
 
+def kv_events_config(pub: str, replay: str) -> str:
+    """A simulator's ``--kv-events-config``: vllm serve's JSON. ``derender up`` gives each simulator
+    Unix sockets in its own folder (vLLM binds ``ipc://`` endpoints; a ``tcp://HOST`` one it would
+    connect to, and ``tcp://*`` would listen on every interface)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay})
+
+
 def simulated_cache(args: argparse.Namespace) -> list[str]:
     """Simulator flags so that a simulated fleet shows what prefix routing is for: with several
     replicas, or ``--enable-prompt-tokens-details``, each models vLLM's prefix cache and reports
@@ -154,12 +161,27 @@ def run(args: argparse.Namespace) -> int:
         if producer is None:  # the simulator: one per replica, in one producer cluster
             sim_args = [*simulated_cache(args), *args.sim_arg]
             sims = []
+            events: list[tuple[str, str]] = []  # kv-events routing: each simulator's PUB and replay sockets
+            if args.routing == "kv-events":
+                folder = tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
             for i in range(max(1, args.replicas)):
                 port = free_port()
                 name = "simulator" if args.replicas <= 1 else f"simulator-{i + 1}"
-                sims.append(
-                    (port, stack.start(name, [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args]))
-                )
+                more = []
+                if args.routing == "kv-events":
+                    events.append((f"ipc://{folder}/events-{i + 1}", f"ipc://{folder}/replay-{i + 1}"))
+                    more = [
+                        "--kv-events-config",
+                        kv_events_config(*events[-1]),
+                        "--block-size",
+                        str(args.prefix_block_size),
+                    ]
+                    more += ["--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
+                argv = [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args, *more]
+                sims.append((port, stack.start(name, argv)))
+            if events:
+                args.kv_events = ",".join(pub for pub, _ in events)
+                args.kv_events_replay = ",".join(replay for _, replay in events)
             for port, sim in sims:
                 sim.wait(functools.partial(http_ok, f"http://127.0.0.1:{port}/health"), 60)
             urls = [f"http://127.0.0.1:{port}" for port, _ in sims]
@@ -175,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
             "--prefix-key-blocks",
             str(args.prefix_key_blocks),
         ]
+        for flag in ("kv_events", "kv_events_replay", "kv_events_topic"):
+            if getattr(args, flag, ""):
+                routing += ["--" + flag.replace("_", "-"), getattr(args, flag)]
 
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
@@ -228,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             import yaml
 
             config = yaml.safe_dump(envoy_config.add_tracing(yaml.safe_load(config), traces), sort_keys=False)
-        folder = tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
+        folder = folder or tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
         config_file = Path(folder) / "envoy.yaml"
         config_file.write_text(config)
         envoy = stack.start(

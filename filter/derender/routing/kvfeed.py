@@ -10,8 +10,8 @@ Faults, each counted (``derender_kv_events_*``) and none of them able to stall o
 - a gap in the sequence numbers (the feed's start is one: from 0) is filled from the replay socket,
   at most ``REPLAY_S`` seconds of waiting; what the replay does not hold is lost, and logged;
 - sequence numbers going back: the replica restarted; what it held is forgotten;
-- a message over ``max_bytes`` (ZMQ's ``MAXMSGSIZE``: the publisher is disconnected), not three
-  frames, or not vLLM's batch: dropped;
+- a message over ``max_bytes`` (ZMQ's ``MAXMSGSIZE``: the connection is dropped, and made again
+  with a new socket), not three frames, or not vLLM's batch: dropped;
 - more than ``max_rate`` batches a second (a flood): the replica leaves the index and its feed
   pauses for ``PAUSE_S`` seconds;
 - a replica that served requests with new blocks and published nothing for ``stale_s`` seconds
@@ -36,6 +36,7 @@ log = logging.getLogger("derender.kvevents")
 END_SEQ = -1
 REPLAY_S = 2.0  # seconds a replay may take
 PAUSE_S = 30.0  # a flooding publisher's feed rests this long
+RECONNECT_S = 0.2  # before a new socket, once a connection dropped
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Feed:
         self.max_rate = max_rate
         self.stale_s = stale_s
         self.next_seq: int | None = None
+        self.skip_below: int | None = None  # after a replay of all it held: live batches below it are had
         self.last_event = 0.0  # monotonic
         self.waiting_since: float | None = None  # a request with new blocks went there, no event since
         self.in_index = True
@@ -113,27 +115,45 @@ class Feed:
             sub.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
             sub.setsockopt(zmq.RCVHWM, 100_000)
             sub.setsockopt(zmq.LINGER, 0)
+            # A dropped connection (ZMQ drops one that sent a message past MAXMSGSIZE and does not
+            # connect again by itself): a new socket, and the gap from the replay socket.
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sub.connect(self.spec.endpoint)
             sub.setsockopt(zmq.SUBSCRIBE, self.spec.topic.encode())
+            pause = RECONNECT_S
             try:
-                flooded = await self._read(sub)
+                if await self._read(sub, monitor):
+                    pause = PAUSE_S
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.exception("kv-events feed of %s failed: %s", self.spec.replica, exc)
-                flooded = True
+                pause = PAUSE_S
             finally:
+                sub.disable_monitor()
+                monitor.close(linger=0)
                 sub.close(linger=0)
-            if flooded:
-                await asyncio.sleep(PAUSE_S)
+            await asyncio.sleep(pause)
 
-    async def _read(self, sub) -> bool:
-        """Read until a flood (True)."""
+    async def _read(self, sub, monitor) -> bool:
+        """Read until a flood (True) or a lost connection (False)."""
+        import zmq
+        import zmq.asyncio
 
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         window, count = time.monotonic(), 0
         while True:
-            if not await sub.poll(timeout=1000):
+            ready = dict(await poller.poll(1000))
+            if monitor in ready:
+                await monitor.recv_multipart()
+                metrics.kv_event("dropped", self.spec.replica, "disconnected")
+                return False
+            if sub not in ready:
                 self.check(time.monotonic())
+                if self.next_seq is None and self.spec.replay is not None:  # nothing live yet: what it holds
+                    self.next_seq = self.skip_below = await self._replay(0, None)
                 continue
             frames = await sub.recv_multipart(copy=True)
             now = time.monotonic()
@@ -150,6 +170,10 @@ class Feed:
                 metrics.kv_event("dropped", self.spec.replica, "malformed")
                 continue
             seq = int.from_bytes(frames[1], "big", signed=True)
+            if self.skip_below is not None:  # live batches a replay already brought
+                if seq < self.skip_below:
+                    continue
+                self.skip_below = None
             if self.next_seq is not None and seq < self.next_seq:
                 log.info(
                     "kv-events: replica %s restarted its events (seq %d after %d)",
@@ -164,8 +188,9 @@ class Feed:
             self._apply(frames[2], "received")
             self.next_seq = seq + 1
 
-    async def _replay(self, start: int, until: int) -> None:
-        """Batches [start, until) from the replica's replay socket."""
+    async def _replay(self, start: int, until: int | None) -> int:
+        """Batches [start, until) from the replica's replay socket (``until`` None: all it holds);
+        the sequence number after the last one applied."""
         import zmq
         import zmq.asyncio
 
@@ -185,12 +210,12 @@ class Feed:
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == END_SEQ:
                     break
-                if start <= seq < until and seq >= got:
+                if start <= seq and (until is None or seq < until) and seq >= got:
                     self._apply(frames[3], "replayed")
                     got = seq + 1
         finally:
             dealer.close(linger=0)
-        if got < until:
+        if until is not None and got < until:
             metrics.kv_event("lost", self.spec.replica, "not replayed", until - got)
             log.warning(
                 "kv-events: %d batches of replica %s (seq %d-%d) could not be replayed",
@@ -199,6 +224,7 @@ class Feed:
                 got,
                 until - 1,
             )
+        return got
 
     def _apply(self, payload: bytes, how: str) -> None:
         try:

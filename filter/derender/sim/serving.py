@@ -366,6 +366,7 @@ class Serving(SimulatorState):
                 "prompt_tokens": self.prompt_tokens,
                 "cached_prompt_tokens": self.cached_prompt_tokens,
                 "prefill_waits": list(self.prefill_waits),
+                "kv_event_batches": self.cache.events.published if self.cache.events is not None else 0,
             }
         )
 
