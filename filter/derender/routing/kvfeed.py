@@ -51,8 +51,15 @@ class FeedSpec:
 
 class Feed:
     def __init__(
-        self, spec: FeedSpec, index: KvIndex, max_bytes: int = 16 << 20, max_rate: float = 20_000, stale_s: float = 30.0
+        self,
+        spec: FeedSpec,
+        index: KvIndex,
+        max_bytes: int = 16 << 20,
+        max_rate: float = 20_000,
+        stale_s: float = 30.0,
+        block_size: int | None = None,
     ) -> None:
+        self.block_size = block_size  # the filter's --prefix-block-size: a replica's other size is logged once
         self.spec = spec
         self.index = index
         self.max_bytes = max_bytes
@@ -242,6 +249,15 @@ class Feed:
             log.info("kv-events routing: replica %s is back in the index", replica)
         for event in batch.events:
             if isinstance(event, BlockStored):
+                if self.block_size is not None and event.block_size != self.block_size:
+                    log.error(
+                        "kv-events: replica %s caches blocks of %d tokens and the filter hashes %d "
+                        "(--prefix-block-size): no prompt will match its blocks",
+                        replica,
+                        event.block_size,
+                        self.block_size,
+                    )
+                    self.block_size = None
                 index.stored(replica, event.block_hashes)
             elif isinstance(event, BlockRemoved):
                 index.removed(replica, event.block_hashes)

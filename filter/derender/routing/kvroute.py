@@ -86,7 +86,9 @@ class KvRouting:
     ) -> None:
         self.hasher = hasher
         self.index = KvIndex(max_blocks, predict_s)
-        self.feeds = {spec.replica: Feed(spec, self.index, stale_s=stale_s) for spec in specs}
+        self.feeds = {
+            spec.replica: Feed(spec, self.index, stale_s=stale_s, block_size=hasher.block_size) for spec in specs
+        }
         self.chain_blocks = chain_blocks
 
     def start(self) -> None:
