@@ -26,10 +26,10 @@ def events_config(pub: int, replay: int) -> str:
                        "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})
 
 
-def start_publishing_sim(model_dir: str, cache_blocks: int = 4096) -> tuple[Proc, str, int, int]:
+def start_publishing_sim(model_dir: str, cache_blocks: int = 4096, *more: str) -> tuple[Proc, str, int, int]:
     pub, replay = free_port(), free_port()
     proc, url = start_sim(model_dir, "--prefix-cache-blocks", str(cache_blocks), "--enable-prompt-tokens-details",
-                          "--kv-events-config", events_config(pub, replay))
+                          "--kv-events-config", events_config(pub, replay), *more)
     return proc, url, pub, replay
 
 
@@ -62,7 +62,7 @@ def generate(url: str, ids: list[int], **more) -> dict:
 
 
 def test_the_simulator_publishes_vllms_events_with_the_filters_block_hashes(qwen3_dir):
-    proc, url, _, replay = start_publishing_sim(qwen3_dir, cache_blocks=6)
+    proc, url, _, replay = start_publishing_sim(qwen3_dir, 6, "--lora-modules", "my-lora=/adapters/sql")
     try:
         hasher = BlockHasher()  # vLLM's hash_block_tokens, sha256, vLLM's NONE_HASH
         first = list(range(1000, 1000 + 16 * 4 + 5))  # four full blocks and a partial one
@@ -88,8 +88,34 @@ def test_the_simulator_publishes_vllms_events_with_the_filters_block_hashes(qwen
         removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
         assert [h for e in stored2 for h in e.block_hashes] == [external(h) for h in hasher.chain(second)]
         assert removed == [external(h) for h in chain[:2]]
+
+        # A LoRA adapter's request: its blocks keyed by the adapter's name and path, as vLLM keys them.
+        generate(url, second, model="my-lora")
+        batches = wait_for(lambda: len(b := replayed(replay)) >= 4 and b, "the adapter's request's events")
+        lora_stored = [e for e in batches[3][1].events if isinstance(e, BlockStored)]
+        assert [h for e in lora_stored for h in e.block_hashes] == [
+            external(h) for h in hasher.chain(second, lora=("my-lora", "/adapters/sql"))
+        ]
+        assert {(e.lora_name, e.lora_id) for e in lora_stored} == {("my-lora", 1)}
+        assert lora_stored[0].extra_keys == [("my-lora",)] * 4
     finally:
         proc.stop()
+
+
+def test_the_simulators_image_and_salt_keys_are_the_filters(tmp_path):
+    """Images (content hash, placeholder offset and length) and a cache salt: the simulator's chain is
+    the filter's, block for block (the filter's is vLLM's, tests/test_prefix_routing.py)."""
+    from derender.sim.kvevents import KvEvents
+
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp_path}/p"})
+    events = KvEvents(config)
+    try:
+        ids = list(range(3000, 3000 + 16 * 6))
+        media = [("a" * 64, 10, 20), ("b" * 64, 40, 30)]  # one across blocks 0-1, one across 2-4
+        sim = [h for h, _, _ in events.chain(ids, "salt", media)]
+        assert sim == BlockHasher().chain(ids, "salt", media=media)
+    finally:
+        events.shutdown()
 
 
 class Fleet:

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '"replay_endpoint": "tcp://*:5558"}; the block hashes are vLLM\'s',
     )
     parser.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters (vLLM's flag): a request naming one is cached apart, with vLLM's LoRA extra keys",
+    )
+    parser.add_argument(
         "--prefix-caching-hash-algo",
         default="sha256",
         choices=("sha256", "sha256_cbor"),
@@ -99,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
         kv_events_config=args.kv_events_config,
         block_size=args.block_size,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        lora_modules=args.lora_modules,
     )
     try:
         import uvloop

@@ -7,7 +7,7 @@ import collections
 import hashlib
 from collections.abc import Sequence
 
-from .kvevents import KvEvents, Media
+from .kvevents import KvEvents, Lora, Media
 
 
 class PrefixCache:
@@ -25,9 +25,15 @@ class PrefixCache:
         self.events = events
         self.blocks: collections.OrderedDict[object, None] = collections.OrderedDict()
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> list:
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        media: Sequence[Media] = (),
+        lora: Lora | None = None,
+    ) -> list:
         if self.events is not None:
-            return self.events.chain(token_ids, cache_salt, media)
+            return self.events.chain(token_ids, cache_salt, media, lora)
         out, parent, size = [], b"", self.block_size
         for start in range(0, len(token_ids) // size * size, size):
             block = tuple(token_ids[start : start + size])
@@ -35,21 +41,33 @@ class PrefixCache:
             out.append((parent, None, block))
         return out
 
-    def cached_tokens(self, prompt: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> int:
+    def cached_tokens(
+        self,
+        prompt: Sequence[int],
+        cache_salt: str | None = None,
+        media: Sequence[Media] = (),
+        lora: Lora | None = None,
+    ) -> int:
         """Tokens of ``prompt`` found in the cache (whole leading blocks), which become recent."""
         found = 0
-        for h, _, _ in self.chain(prompt, cache_salt, media):
+        for h, _, _ in self.chain(prompt, cache_salt, media, lora):
             if h not in self.blocks:
                 break
             self.blocks.move_to_end(h)
             found += 1
         return found * self.block_size
 
-    def store(self, token_ids: Sequence[int], cache_salt: str | None = None, media: Sequence[Media] = ()) -> None:
+    def store(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        media: Sequence[Media] = (),
+        lora: Lora | None = None,
+    ) -> None:
         if not self.capacity:
             return
         events: list = []
-        chain = self.chain(token_ids, cache_salt, media)
+        chain = self.chain(token_ids, cache_salt, media, lora)
         run: list[tuple] = []
         run_parent = None
         for i, entry in enumerate(chain):
@@ -57,7 +75,7 @@ class PrefixCache:
             if h in self.blocks:
                 self.blocks.move_to_end(h)
                 if run:
-                    events.append(self._stored(run, run_parent))
+                    events.append(self._stored(run, run_parent, lora))
                     run = []
                 continue
             if not run:
@@ -65,7 +83,7 @@ class PrefixCache:
             self.blocks[h] = None
             run.append(entry)
         if run:
-            events.append(self._stored(run, run_parent))
+            events.append(self._stored(run, run_parent, lora))
         while len(self.blocks) > self.capacity:
             old, _ = self.blocks.popitem(last=False)
             if self.events is not None:
@@ -73,5 +91,5 @@ class PrefixCache:
         if self.events is not None:
             self.events.publish(events)
 
-    def _stored(self, run: list[tuple], parent: object) -> object:
-        return None if self.events is None else self.events.stored(run, parent)
+    def _stored(self, run: list[tuple], parent: object, lora: Lora | None) -> object:
+        return None if self.events is None else self.events.stored(run, parent, lora)

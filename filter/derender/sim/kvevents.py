@@ -5,7 +5,8 @@ PUB socket sending ``(topic, sequence number, msgpack KVEventBatch)`` and a ROUT
 the batches, encoding, topic, sequence numbers and replay are vLLM's. The block hashes are vLLM's
 chain (``hash_block_tokens`` with the function ``--prefix-caching-hash-algo`` names and vLLM's
 ``NONE_HASH``); each block's extra keys are what vLLM 0.33 puts there for a prompt that has them: its
-images (``("mm", content hash, offset in the block)``) and, on the first block, the ``cache_salt``
+LoRA adapter (``("lora", name, path)``, ``--lora-modules``), its images (``("mm", content hash, offset
+in the block)``) and, on the first block, the ``cache_salt``
 (``generate_block_hash_extra_keys``). Published block hashes are vLLM's external form
 (``maybe_convert_block_hash``: 64-bit integers unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
 
@@ -23,10 +24,16 @@ Media = tuple[str, int, int]  # an image's content hash, placeholder offset and 
 MEDIUM = "GPU"  # vLLM's block pool on a GPU
 
 
-def extra_keys(start: int, end: int, cache_salt: str | None, media: Sequence[Media]) -> tuple | None:
-    """vLLM's extra keys of the block of tokens [start, end): every image whose placeholder overlaps
-    it, with its offset from the block's start, then the cache salt on the first block."""
-    keys: list[tuple] = []
+Lora = tuple[str, str, int]  # an adapter's name, path and vLLM's id for it
+
+
+def extra_keys(
+    start: int, end: int, cache_salt: str | None, media: Sequence[Media], lora: Lora | None = None
+) -> tuple | None:
+    """vLLM's extra keys of the block of tokens [start, end): the LoRA adapter's name and path, every
+    image whose placeholder overlaps it, with its offset from the block's start, then the cache salt on
+    the first block."""
+    keys: list[tuple] = [("lora", lora[0], lora[1])] if lora else []
     for digest, offset, length in media:
         if offset >= end:
             break
@@ -69,12 +76,14 @@ class KvEvents:
         self.published = 0  # batches
         self.publish([kv_events.AllBlocksCleared()])  # a fresh start: nothing cached
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None, media: Sequence[Media]) -> list[tuple]:
+    def chain(
+        self, token_ids: Sequence[int], cache_salt: str | None, media: Sequence[Media], lora: Lora | None = None
+    ) -> list[tuple]:
         """(vLLM's block hash, its extra keys, its tokens) of each full block of ``token_ids``."""
         size, out, parent = self.block_size, [], None
         for start in range(0, len(token_ids) // size * size, size):
             block = tuple(token_ids[start : start + size])
-            extra = extra_keys(start, start + size, cache_salt, media)
+            extra = extra_keys(start, start + size, cache_salt, media, lora)
             parent = self._utils.hash_block_tokens(self.hash_fn, parent, block, extra)
             out.append((parent, extra, block))
         return out
@@ -82,16 +91,16 @@ class KvEvents:
     def external(self, block_hash: Any) -> Any:
         return self._utils.maybe_convert_block_hash(block_hash)
 
-    def stored(self, run: list[tuple], parent: Any) -> Any:
+    def stored(self, run: list[tuple], parent: Any, lora: Lora | None = None) -> Any:
         """``BlockStored`` for a run of newly cached blocks (``parent``: the hash before the run)."""
         return self._vllm.BlockStored(
             block_hashes=[self.external(h) for h, _, _ in run],
             parent_block_hash=None if parent is None else self.external(parent),
             token_ids=[t for _, _, block in run for t in block],
             block_size=self.block_size,
-            lora_id=None,
+            lora_id=lora[2] if lora else None,
             medium=MEDIUM,
-            lora_name=None,
+            lora_name=lora[0] if lora else None,
             extra_keys=self._utils.to_event_extra_keys([extra for _, extra, _ in run]),
             group_idx=0,
         )

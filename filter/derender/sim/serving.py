@@ -113,8 +113,8 @@ class Serving(SimulatorState):
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500) from None
         self.running[gen.engine_id].add(gen)
-        salt, media = body.get("cache_salt"), media_of(body)
-        gen.cached_tokens = self.cache.cached_tokens(prompt, salt, media)
+        salt, media, lora = body.get("cache_salt"), media_of(body), self.loras.get(body.get("model") or "")
+        gen.cached_tokens = self.cache.cached_tokens(prompt, salt, media, lora)
         self.prompt_tokens += len(prompt)
         self.cached_prompt_tokens += gen.cached_tokens
         try:
@@ -124,7 +124,7 @@ class Serving(SimulatorState):
                     await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
                 # The modelled time to first token: the queue and the prefill, nothing of this machine's.
                 self.prefill_waits.append(time.monotonic() - arrived)
-            self.cache.store(prompt, salt, media)  # prefilled: the prompt's blocks are cached (and published)
+            self.cache.store(prompt, salt, media, lora)  # prefilled: the prompt's blocks are cached (and published)
             return await (self._stream if body.get("stream") else self._full)(gen, body)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a lost client
             self.disconnected.append(gen.engine_id)
@@ -134,7 +134,7 @@ class Serving(SimulatorState):
             if not self.running[gen.engine_id]:
                 del self.running[gen.engine_id]
             for c in gen.choices:  # the KV of what was computed stays cached
-                self.cache.store(prompt + c.tokens[: c.sent], salt, media)
+                self.cache.store(prompt + c.tokens[: c.sent], salt, media, lora)
 
     async def _hold(self, gen: _Generation) -> None:
         """Wait, sending nothing, until released, aborted or left by the client."""

@@ -39,6 +39,7 @@ class Simulator(Serving):
         kv_events_config: str | None = None,
         block_size: int = 16,
         prefix_caching_hash_algo: str = "sha256",
+        lora_modules: list[str] | tuple[str, ...] = (),
     ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
@@ -80,6 +81,14 @@ class Simulator(Serving):
         self.hold_after: int | str | None = None
         events = KvEvents(kv_events_config, block_size, prefix_caching_hash_algo) if kv_events_config else None
         self.cache = PrefixCache(prefix_cache_blocks, block_size, events)
+        # --lora-modules NAME=PATH: a request naming an adapter is cached apart, as vLLM keys it (its
+        # name and path, vLLM's id counting from 1 in the order given).
+        self.loras: dict[str, tuple[str, str, int]] = {}
+        for i, item in enumerate(lora_modules):
+            name, _, path = item.partition("=")
+            if not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH, not {item!r}")
+            self.loras[name] = (name, path, i + 1)
         self.prefill_us_per_token = prefill_us_per_token
         self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details

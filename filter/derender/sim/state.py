@@ -27,6 +27,7 @@ class SimulatorState:
     held: set[_Generation]
     hold_after: int | str | None  # 'end': held after the last event
     cache: PrefixCache
+    loras: dict[str, tuple[str, str, int]]  # --lora-modules: name -> (name, path, vLLM's id)
     prefill_us_per_token: float
     _prefill: asyncio.Lock
     http_error: int | None
