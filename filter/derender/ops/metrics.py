@@ -269,19 +269,21 @@ ROUTED_PREDICTED_TOKENS = Counter(
 
 
 def kv_event(outcome: str, replica: str, why: str = "", count: int = 1) -> None:
-    if outcome in ("received", "replayed"):
-        KV_EVENTS.labels(replica, outcome, "").inc()
-        KV_EVENTS_EVENTS.labels(replica).inc(count)
-    else:
-        KV_EVENTS.labels(replica, outcome, why).inc(count)
+    """Batches dropped (malformed, flood, disconnected) or lost (a gap its replay did not hold)."""
+    KV_EVENTS.labels(replica, outcome, why).inc(count)
 
 
 def kv_left(replica: str, why: str) -> None:
     KV_LEFT.labels(replica, why).inc()
 
 
-def kv_index_size(entries: int) -> None:
-    KV_INDEX_BLOCKS.labels(str(os.getpid())).set(entries)
+def kv_counters(replica: str, outcome: str) -> tuple[Counter, Counter]:
+    """A replica's batches and events counters for an outcome (received, replayed), to bind once."""
+    return KV_EVENTS.labels(replica, outcome, ""), KV_EVENTS_EVENTS.labels(replica)
+
+
+def kv_index_gauge() -> Gauge:
+    return KV_INDEX_BLOCKS.labels(str(os.getpid()))
 
 
 DEFENCES = Counter(

@@ -33,69 +33,83 @@ def external(block_hash: object) -> int:
 
 
 class KvIndex:
-    """Block hash -> the replicas holding it (confirmed by their events, or predicted for a while)."""
+    """Block hash -> the replicas holding it (confirmed by their events, or predicted for a while).
+
+    A block's holders are one int, a bit per replica (``bits``): an event's blocks cost a dict update
+    each and allocate nothing the garbage collector must walk."""
 
     def __init__(self, max_blocks: int = 1 << 20, predict_s: float = 2.0) -> None:
         self.max_blocks = max_blocks
         self.predict_s = predict_s
-        self.holders: dict[int, set[str]] = {}  # insertion order: the oldest first
-        self.held: dict[str, set[int]] = {}  # replica -> its blocks (AllBlocksCleared, a replica dropped)
+        self.holders: dict[int, int] = {}  # block -> bits of its replicas; insertion order: the oldest first
+        self.bits: dict[str, int] = {}  # replica -> its bit
+        self.names: dict[int, str] = {}  # bit -> replica
         self.entries = 0
         self.predicted: dict[int, dict[str, float]] = {}  # block -> replica -> until (monotonic seconds)
 
+    def bit(self, replica: str) -> int:
+        bit = self.bits.get(replica)
+        if bit is None:
+            bit = self.bits[replica] = 1 << len(self.bits)
+            self.names[bit] = replica
+        return bit
+
     # -- events -------------------------------------------------------------------------------
     def stored(self, replica: str, hashes: Iterable[object]) -> None:
-        held = self.held.setdefault(replica, set())
-        holders = self.holders
+        bit = self.bit(replica)
+        holders, predicted = self.holders, self.predicted
+        added = 0
         for h in hashes:
-            block = external(h)
-            owners = holders.get(block)
-            if owners is None:
-                owners = holders[block] = set()
-            if replica not in owners:
-                owners.add(replica)
-                held.add(block)
-                self.entries += 1
-            guess = self.predicted.get(block)
-            if guess is not None:
-                guess.pop(replica, None)
+            block = h & MASK if type(h) is int else external(h)
+            owners = holders.get(block, 0)
+            if not owners & bit:
+                holders[block] = owners | bit
+                added += 1
+            if predicted:
+                guess = predicted.get(block)
+                if guess is not None:
+                    guess.pop(replica, None)
+        self.entries += added
         if self.entries > self.max_blocks:
             self._shrink()
 
     def removed(self, replica: str, hashes: Iterable[object]) -> None:
-        held = self.held.get(replica, set())
-        predicted = self.predicted
+        bit = self.bit(replica)
+        holders, predicted = self.holders, self.predicted
         for h in hashes:
-            block = external(h)
-            guess = predicted.get(block)
-            if guess is not None:
-                guess.pop(replica, None)  # evicted: not held, whatever was predicted
-            owners = self.holders.get(block)
-            if owners is not None and replica in owners:
-                owners.discard(replica)
-                held.discard(block)
+            block = h & MASK if type(h) is int else external(h)
+            if predicted:
+                guess = predicted.get(block)
+                if guess is not None:
+                    guess.pop(replica, None)  # evicted: not held, whatever was predicted
+            owners = holders.get(block, 0)
+            if owners & bit:
+                owners &= ~bit
                 self.entries -= 1
-                if not owners:
-                    del self.holders[block]
+                if owners:
+                    holders[block] = owners
+                else:
+                    del holders[block]
 
     def cleared(self, replica: str) -> None:
-        """AllBlocksCleared, or the replica left the index: nothing of it is known any more."""
-        held = self.held.pop(replica, set())
-        for block in held:
-            owners = self.holders.get(block)
-            if owners is not None:
-                owners.discard(replica)
-                if not owners:
-                    del self.holders[block]
-        self.entries -= len(held)
+        """AllBlocksCleared, or the replica left the index: nothing of it is known any more (a walk
+        over the index: rare, a replica's restart or its leaving)."""
+        bit = self.bit(replica)
+        holders = self.holders
+        gone = [block for block, owners in holders.items() if owners & bit]
+        for block in gone:
+            owners = holders[block] & ~bit
+            if owners:
+                holders[block] = owners
+            else:
+                del holders[block]
+        self.entries -= len(gone)
         for guess in self.predicted.values():
             guess.pop(replica, None)
 
     def _shrink(self) -> None:
         for block in list(itertools.islice(self.holders, max(1, len(self.holders) // 10))):
-            for replica in self.holders.pop(block):
-                self.held[replica].discard(block)
-                self.entries -= 1
+            self.entries -= self.holders.pop(block).bit_count()
 
     # -- routing ------------------------------------------------------------------------------
     def predict(self, replica: str, chain: Sequence[int], now: float) -> None:
@@ -104,26 +118,31 @@ class KvIndex:
         if len(predicted) > self.max_blocks // 4:
             for block in [b for b, g in predicted.items() if all(t < now for t in g.values())]:
                 del predicted[block]
-        held = self.held.get(replica, ())
+        bit, holders = self.bit(replica), self.holders
         for block in chain:
-            if block not in held:  # what its events already confirm needs no guess
+            if not holders.get(block, 0) & bit:  # what its events already confirm needs no guess
                 predicted.setdefault(block, {})[replica] = until
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
         """Each replica holding a leading run of ``chain``: the run's length in blocks."""
         depth: dict[str, int] = {}
-        alive: set[str] | None = None
-        holders, predicted = self.holders, self.predicted
+        alive = -1
+        holders, predicted, names = self.holders, self.predicted, self.names
         for i, block in enumerate(chain):
-            owners = holders.get(block, set())
-            guess = predicted.get(block)
+            owners = holders.get(block, 0)
+            guess = predicted.get(block) if predicted else None
             if guess:
-                owners = owners | {r for r, until in guess.items() if until > now}
-            alive = owners if alive is None else alive & owners
+                for replica, until in guess.items():
+                    if until > now:
+                        owners |= self.bit(replica)
+            alive &= owners
             if not alive:
                 break
-            for replica in alive:
-                depth[replica] = i + 1
+            bits = alive
+            while bits:
+                low = bits & -bits
+                depth[names[low]] = i + 1
+                bits ^= low
         return depth
 
     def __len__(self) -> int:
