@@ -11,7 +11,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from derender.ops import metrics
+from derender.ops import kvmetrics, metrics  # noqa: F401 (kvmetrics: its series in the registry)
 from derender.routing.kvfeed import Feed, FeedSpec
 from derender.routing.kvindex import KvIndex
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
@@ -30,8 +30,8 @@ def removed(*hashes: int) -> KVEventBatch:
 
 
 def counted(outcome: str, why: str = "") -> float:
-    value = metrics.KV_EVENTS.labels(REPLICA, outcome, why)._value.get()
-    return float(value)
+    labels = {"replica": REPLICA, "outcome": outcome, "why": why}
+    return metrics.REGISTRY.get_sample_value("derender_kv_events_batches_total", labels) or 0.0
 
 
 async def until(check, what: str, timeout: float = 10.0):

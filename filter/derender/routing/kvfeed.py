@@ -32,7 +32,7 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from ..ops import metrics
+from ..ops import kvmetrics as metrics
 from .kvindex import KvIndex
 
 log = logging.getLogger("derender.kvevents")
@@ -294,9 +294,10 @@ class Feed:
                 index.removed(replica, event.block_hashes)
             elif kind is AllBlocksCleared:
                 index.cleared(replica)
-        batches, events = self._counters.get(how) or self._count(how)
+        batches, events, lag = self._counters.get(how) or self._count(how)
         batches.inc()
         events.inc(len(batch.events))
+        lag.set(max(0.0, time.time() - batch.ts))
         self._size.set(index.entries)
 
     def _count(self, how: str) -> tuple:
