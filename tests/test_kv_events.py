@@ -128,16 +128,18 @@ class Fleet:
         self.bases: list[str] = []
         self.filters: list[Proc] = []
         self.metrics: list[int] = []
+        self.workers: list[int] = []
 
-    def add_gateway(self) -> str:
+    def add_gateway(self, workers: int = 1) -> str:
         urls = [url for _, url, _, _ in self.sims]
         events = ",".join(f"tcp://127.0.0.1:{pub}" for _, _, pub, _ in self.sims)
         replays = ",".join(f"tcp://127.0.0.1:{replay}" for _, _, _, replay in self.sims)
         metrics_port = free_port()
         flt, port = start_filter(["--model", self.model_dir, "--served-model-name", "qwen3", "--routing", "kv-events",
                                   "--kv-events", events, "--kv-events-replay", replays, "--kv-events-topic", "kv",
-                                  "--workers", "1", "--metrics-port", str(metrics_port)], ",".join(urls))
+                                  "--workers", str(workers), "--metrics-port", str(metrics_port)], ",".join(urls))
         self.metrics.append(metrics_port)
+        self.workers.append(workers)
         self.procs.append(flt)
         self.filters.append(flt)
         cluster = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, "kv-events"))
@@ -171,8 +173,8 @@ class Fleet:
                        if line.startswith("derender_kv_events_batches_total{")
                        and ('outcome="received"' in line or 'outcome="replayed"' in line))
 
-        for port in self.metrics:
-            wait_for(lambda p=port: read(p) >= published, "the filter's view of every published batch")
+        for port, workers in zip(self.metrics, self.workers, strict=True):  # each worker reads every batch
+            wait_for(lambda p=port, w=workers: read(p) >= published * w, "every worker's view of every batch")
 
     def received(self) -> list[int]:
         return [json.loads(http_get(url + "/sim/stats")[1])["received"] for _, url, _, _ in self.sims]
@@ -247,9 +249,10 @@ def test_a_prompt_goes_to_the_replica_whose_events_say_it_holds_it(fleet):
 
 
 def test_two_filter_processes_fed_the_same_events_choose_alike(fleet):
-    """A second filter process, started later, reads the same events (the history from the replay
-    socket): both send a prompt to the one replica holding it, which the hash would not pick."""
-    second = fleet.bases[1] if len(fleet.bases) > 1 else fleet.add_gateway()
+    """A second filter, started later with two workers (each its own process and subscription), reads
+    the same events (the history from the replay socket): every process sends a prompt to the one
+    replica holding it, which the hash would not pick."""
+    second = fleet.bases[1] if len(fleet.bases) > 1 else fleet.add_gateway(workers=2)
     first = fleet.bases[0]
     for n in range(10, 13):
         messages = question(n)
@@ -264,3 +267,8 @@ def test_two_filter_processes_fed_the_same_events_choose_alike(fleet):
     for flt in fleet.filters:
         route = wait_for(lambda f=flt: (r := fleet.routes(f)) and r[-1], "the last request's log line")
         assert route["route"] == "match", route
+    # Envoy's one connection reaches one of the second filter's workers; the other holds the same view.
+    fleet.caught_up()
+    text = http_get(f"http://127.0.0.1:{fleet.metrics[1]}/metrics")[1].decode()
+    sizes = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("derender_kv_index_blocks{")]
+    assert len(sizes) == 2 and sizes[0] == sizes[1] > 0, sizes
