@@ -176,6 +176,20 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
     return out
 
 
+def stored_event(kv, replica: str, ids: list[int]) -> None:
+    """What a replica publishes once it has prefilled ``ids``: vLLM's hashes of its full blocks (the
+    producer's work, outside the decision's time), read as a feed reads it."""
+    from derender.routing.kvindex import external
+    from vllm.distributed.kv_events import BlockStored
+
+    hashes = [external(h) for h in kv.hasher.chain(ids)]
+    size = kv.hasher.block_size
+    event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=ids[: len(hashes) * size],
+                        block_size=size, lora_id=None, medium="GPU", lora_name=None)
+    kv.learn(event)
+    kv.index.stored(replica, hashes)
+
+
 def routing_cost(conversations: list[dict], repeats: int = 5) -> dict:
     """The routing decision alone, in this process (one worker's view), on the workload's prompts as
     the filter renders them (Qwen3's chat template; each answer the echo of its question, as the
@@ -210,7 +224,7 @@ def routing_cost(conversations: list[dict], repeats: int = 5) -> dict:
                 balancer.finished(decision)
                 (first if turn == 0 else later).append((time.thread_time() - began) * 1e6)
                 if balancer.kv is not None:  # the replica's events: it stored the prompt's blocks
-                    balancer.kv.index.stored(served, decision.chain or ())
+                    stored_event(balancer.kv, served, ids)
             runs.append({"mean": statistics.mean(first + later), "first_turns": statistics.mean(first),
                          "later_turns": statistics.mean(later),
                          "prompt_tokens_mean": statistics.mean(len(p) for _, p in prompts)})

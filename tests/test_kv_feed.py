@@ -179,3 +179,27 @@ def test_the_index_is_bounded_and_predictions_expire():
     assert index.match([600], 20.5) == {}
     index.cleared("a")
     assert index.match(list(range(50, 60)), 0.0) == {"b": 10}
+
+
+def test_a_prompt_is_named_from_the_events_tokens_as_vllm_hashes_it():
+    """Plain prompts find the vLLM hashes of the blocks replicas stored by Python's chain of the events'
+    own tokens (no sha256 on the request path); a salted prompt is hashed vLLM's way. Both equal the
+    filter's BlockHasher (vLLM's chain) as far as any replica holds the blocks."""
+    from derender.routing.kvindex import external
+    from derender.routing.kvroute import KvRouting
+    from derender.routing.prefix import BlockHasher
+
+    hasher = BlockHasher()
+    kv = KvRouting(hasher, [FeedSpec(REPLICA, "ipc:///nowhere")])
+    ids = list(range(7000, 7000 + 16 * 6 + 3))
+    vllm = [external(h) for h in hasher.chain(ids)]
+    assert kv.chain(ids, None, None, ()) == []  # nothing stored anywhere yet
+    for start, end in ((0, 2), (2, 5)):  # two events, the second chained to the first's last block
+        kv.learn(BlockStored(block_hashes=vllm[start:end], parent_block_hash=vllm[start - 1] if start else None,
+                             token_ids=ids[start * 16 : end * 16], block_size=16, lora_id=None, medium="GPU",
+                             lora_name=None))
+    assert kv.chain(ids, None, None, ()) == vllm[:5]  # the sixth block: stored nowhere, not named
+    assert kv.chain(ids[:40], None, None, ()) == vllm[:2]
+    other = ids[:16] + [1] * 16 + ids[32:]  # a block changed: the chain breaks there
+    assert kv.chain(other, None, None, ()) == vllm[:1]
+    assert kv.chain(ids, "salt", None, ()) == [external(h) for h in hasher.chain(ids, "salt")]

@@ -200,9 +200,10 @@ class Balancer:
         decision.served = upstream
         if self.mode == KV_EVENTS:
             self._count(decision, upstream if upstream is not None and status == 200 else None)
-            if self.kv is not None and upstream is not None and status == 200 and decision.chain:
+            if self.kv is not None and upstream is not None and status == 200:
                 matched = decision.matched_blocks if upstream == decision.chosen else 0
-                self.kv.started(upstream, decision.chain, matched)
+                size = self.prefix_key.hasher.block_size
+                self.kv.started(upstream, decision.chain or [], matched, decision.prompt_tokens // size)
             return
         if self.mode != PRECISE:
             return

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,9 @@ class Feed:
         max_rate: float = 20_000,
         stale_s: float = 30.0,
         block_size: int | None = None,
+        learn: Callable[[BlockStored], None] | None = None,
     ) -> None:
+        self.learn = learn  # what else reads each BlockStored (``kvroute.KvRouting.learn``)
         self.block_size = block_size  # the filter's --prefix-block-size: a replica's other size is logged once
         self.spec = spec
         self.index = index
@@ -289,6 +292,8 @@ class Feed:
                         self.block_size,
                     )
                     self.block_size = None
+                if self.learn is not None:
+                    self.learn(event)
                 index.stored(replica, event.block_hashes)
             elif kind is BlockRemoved:
                 index.removed(replica, event.block_hashes)

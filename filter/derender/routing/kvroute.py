@@ -18,11 +18,13 @@ URL's ``IP:PORT`` (a host name resolved once, at start), as Envoy names the repl
 from __future__ import annotations
 
 import hashlib
+import itertools
 import socket
 import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from .kvfeed import Feed, FeedSpec
@@ -74,6 +76,9 @@ def tie(key: str | None, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
 
 
+PLAIN = (None, None, ())  # the seed of a prompt's chain without salt, adapter or images
+
+
 def python_chain(ids: Sequence[int], size: int, full: int, seed: object) -> list[int]:
     """One 64-bit name per full block: Python's hash of the block chained to its parent's."""
     parent = hash(seed)
@@ -102,10 +107,16 @@ class KvRouting:
         self.hasher = hasher
         self.index = KvIndex(max_blocks, predict_s)
         self.feeds = {
-            spec.replica: Feed(spec, self.index, stale_s=stale_s, block_size=hasher.block_size) for spec in specs
+            spec.replica: Feed(spec, self.index, stale_s=stale_s, block_size=hasher.block_size, learn=self.learn)
+            for spec in specs
         }
         self.chain_blocks = chain_blocks
+        self.max_named = max_blocks
         self._memo: dict[int, tuple] = {}  # python_chain's name of a block -> (vLLM's hash, its external form)
+        # Plain blocks (no salt, adapter or image) named from the events' own tokens: name -> vLLM's
+        # external hash, and back (a stored block's children are named from their parent's name).
+        self._named: dict[int, int] = {}
+        self._name_of: dict[int, int] = {}
 
     def start(self) -> None:
         for feed in self.feeds.values():
@@ -128,9 +139,19 @@ class KvRouting:
         wrong block, which costs a routing hit, never an answer."""
         size = self.hasher.block_size
         full = min(len(ids) // size, self.chain_blocks)
-        names = python_chain(ids, size, full, (cache_salt, lora, tuple(media)))
+        seed = (cache_salt, lora, tuple(media))
+        names = python_chain(ids, size, full, seed)
+        if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
+            named = self._named
+            out: list[int] = []
+            for name in names:
+                h = named.get(name)
+                if h is None:
+                    break
+                out.append(h)
+            return out
         memo = self._memo
-        out: list[int] = []
+        out = []
         parent = None
         for name in names:
             known = memo.get(name)
@@ -153,15 +174,41 @@ class KvRouting:
             out.append(h)
         return out
 
+    def learn(self, event: BlockStored) -> None:
+        """Name a stored run of plain blocks as ``python_chain`` names a prompt's (their tokens are in the
+        event), so that a prompt finds the vLLM hashes of what replicas hold without hashing them."""
+        keys = event.extra_keys
+        if keys and any(k is not None for k in keys):
+            return  # a salt, adapter or image: such prompts are hashed vLLM's way (``chain``)
+        size, hashes, tokens = self.hasher.block_size, event.block_hashes, event.token_ids
+        if event.block_size != size or len(tokens) != size * len(hashes) or not hashes:
+            return
+        if event.parent_block_hash is None:
+            name = hash(PLAIN)
+        else:
+            known = self._name_of.get(external(event.parent_block_hash))
+            if known is None:
+                return  # its parent was never seen: its prompts match as far as the parent
+            name = known
+        named, name_of = self._named, self._name_of
+        for i, h in enumerate(hashes):
+            name = hash((name, hash(tuple(tokens[i * size : (i + 1) * size]))))
+            block = external(h)
+            named[name] = block
+            name_of[block] = name
+        if len(named) > self.max_named:
+            for old in list(itertools.islice(named, len(named) // 10)):
+                name_of.pop(named.pop(old), None)
+
     def matches(self, chain: Sequence[int]) -> dict[str, int]:
         depth = self.index.match(chain, time.monotonic())
         return {r: d for r, d in depth.items() if (feed := self.feeds.get(r)) is not None and feed.in_index}
 
-    def started(self, replica: str, chain: Sequence[int], matched: int) -> None:
+    def started(self, replica: str, chain: Sequence[int], matched: int, blocks: int) -> None:
         """A request reached ``replica``: it holds the chain from now on (predicted until its events
-        say so), and unless it already held all of it, its events should follow."""
+        say so), and unless it already held all ``blocks`` of the prompt, its events should follow."""
         now = time.monotonic()
         self.index.predict(replica, chain, now)
         feed = self.feeds.get(replica)
-        if feed is not None and matched < len(chain):
+        if feed is not None and matched < blocks:
             feed.expect(now)
