@@ -140,16 +140,19 @@ class KvRouting:
         size = self.hasher.block_size
         full = min(len(ids) // size, self.chain_blocks)
         seed = (cache_salt, lora, tuple(media))
-        names = python_chain(ids, size, full, seed)
         if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
             named = self._named
             out: list[int] = []
-            for name in names:
+            append = out.append
+            name = hash(PLAIN)
+            for block in map(hash, zip(*[iter(ids[: full * size])] * size, strict=False)):
+                name = hash((name, block))  # python_chain's names, as far as they are known
                 h = named.get(name)
                 if h is None:
                     break
-                out.append(h)
+                append(h)
             return out
+        names = python_chain(ids, size, full, seed)
         memo = self._memo
         out = []
         parent = None
