@@ -123,6 +123,22 @@ def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None
     return envoy, base
 
 
+def start_cluster_envoy(filter_port: int, cluster: dict, tag: str) -> tuple[Proc, str, int]:
+    """Envoy with ``envoy/multi.yaml`` and one producer cluster (``envoy_config.producer_cluster``'s):
+    (its process, base URL, admin port) once it answers."""
+    listen, admin = free_port(), free_port()
+    config = envoy_config.render("multi.yaml", LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port,
+                                 PRODUCER_CLUSTERS="  - " + json.dumps(cluster))
+    path = LOGS / f"envoy-{tag}-{listen}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config)
+    envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
+                           "--log-level", "warn", "--disable-hot-restart"]).start()
+    base = f"http://127.0.0.1:{listen}"
+    envoy.wait(lambda: http_ok(base + "/health"), 60)
+    return envoy, base, admin
+
+
 class Redis:
     """A real redis-server on a free loopback port, no persistence."""
 

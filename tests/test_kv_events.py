@@ -16,7 +16,7 @@ from derender.routing.kvindex import external
 from derender.routing.prefix import BlockHasher
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from stack import LOGS, Proc, free_port, http_get, http_ok, http_post, start_filter, start_sim, wait_for
+from stack import Proc, free_port, http_get, http_post, start_cluster_envoy, start_filter, start_sim, wait_for
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -142,18 +142,9 @@ class Fleet:
         self.workers.append(workers)
         self.procs.append(flt)
         self.filters.append(flt)
-        cluster = "  - " + json.dumps(envoy_config.producer_cluster("producer", urls, "kv-events"))
-        listen, admin = free_port(), free_port()
-        config = envoy_config.render("multi.yaml", LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=port,
-                                     PRODUCER_CLUSTERS=cluster)
-        path = LOGS / f"envoy-kv-events-{listen}.yaml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(config)
-        envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
-                               "--log-level", "warn", "--disable-hot-restart"]).start()
+        cluster = envoy_config.producer_cluster("producer", urls, "kv-events")
+        envoy, base, admin = start_cluster_envoy(port, cluster, "kv-events")
         self.procs.append(envoy)
-        base = f"http://127.0.0.1:{listen}"
-        envoy.wait(lambda: http_ok(base + "/health"), 60)
 
         def healthy() -> int:
             body = http_get(f"http://127.0.0.1:{admin}/clusters")[1].decode()

@@ -21,7 +21,7 @@ from derender.ops import envoy_config
 from derender.routing.balance import Balancer, Decision
 from derender.routing.prefix import BlockHasher, PrefixKey, answer_marker
 
-from stack import LOGS, Proc, free_port, http_get, http_ok, http_post, start_filter, start_sim, wait_for
+from stack import Proc, free_port, http_get, http_post, start_cluster_envoy, start_filter, start_sim, wait_for
 
 REPLICAS = 3
 SYSTEM = {t: f"You are the assistant of tenant {t}. " + " ".join(f"rule {t}-{i}: be exact." for i in range(60)) for t in "AB"}
@@ -44,19 +44,9 @@ class Replicas:
             producer = envoy_config.producer_cluster("producer", urls, mode)
             if health_interval:  # how long a dead replica stays in the ring after its last good check
                 producer["health_checks"][0]["interval"] = health_interval
-            cluster = "  - " + json.dumps(producer)
-            listen, self.admin = free_port(), free_port()
-            config = envoy_config.render("multi.yaml", LISTEN_PORT=listen, ADMIN_PORT=self.admin, FILTER_PORT=port,
-                                         PRODUCER_CLUSTERS=cluster)
-            path = LOGS / f"envoy-replicas-{mode}-{listen}.yaml"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(config)
-            envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1",
-                                   "--log-level", "warn", "--disable-hot-restart"]).start()
+            envoy, self.base, self.admin = start_cluster_envoy(port, producer, f"replicas-{mode}")
             self.procs.append(envoy)
             self.envoy = envoy
-            self.base = f"http://127.0.0.1:{listen}"
-            envoy.wait(lambda: http_ok(self.base + "/health"), 60)
             # Every replica passed Envoy's first health check: none is picked before it is known up.
             wait_for(lambda: self.healthy() == REPLICAS, "every replica healthy in Envoy", 30)
         except Exception:
