@@ -142,9 +142,7 @@ class Balancer:
             depth = (covered + depth * size * self.STRIDE) // size
             if best is None:
                 decision.why = "key"  # nothing known beyond what the key's hash places
-            elif self.in_flight[best] + 1 > max(
-                1.0, self.bound * (sum(self.in_flight.values()) + 1) / len(self.in_flight)
-            ):
+            elif self._over_bound(best):
                 decision.why = "bound"
             else:
                 decision.why, decision.chosen, decision.matched_blocks = "match", best, depth
@@ -169,11 +167,19 @@ class Balancer:
             return
         in_flight = self.in_flight
         best = min(depth, key=lambda r: (-depth[r], in_flight.get(r, 0), tie(key, r)))
-        if in_flight.get(best, 0) + 1 > max(1.0, self.bound * (sum(in_flight.values()) + 1) / max(1, len(in_flight))):
+        if self._over_bound(best):
             decision.why = "bound"
             return
         decision.why, decision.chosen, decision.matched_blocks = "match", best, depth[best]
         self._count(decision, best)
+
+    def _over_bound(self, replica: str) -> bool:
+        """One more request would put more of this process's requests on ``replica`` than ``bound``
+        times the mean over the known replicas, counting this one (no rounding up)."""
+        in_flight = self.in_flight
+        return in_flight.get(replica, 0) + 1 > max(
+            1.0, self.bound * (sum(in_flight.values()) + 1) / max(1, len(in_flight))
+        )
 
     def _longest(self, chain: list[int]) -> tuple[str | None, int]:
         """The live replica that last served the longest leading run of ``chain``, and its length."""

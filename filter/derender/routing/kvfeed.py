@@ -3,7 +3,8 @@
 vLLM's ``ZmqEventPublisher`` sends multipart ``(topic, sequence number as 8 bytes big-endian, msgpack
 KVEventBatch)`` on a PUB socket and answers a request for the batches from a sequence number on a
 ROUTER replay socket (each as ``(topic, seq, payload)``, then an end marker of seq -1). A ``Feed`` is
-one SUB socket on the worker's own event loop (``zmq.asyncio``), decoding with vLLM's own types
+one SUB socket read on the worker's own event loop (ZMQ's own socket, its descriptor watched by the
+loop; the replay through ``zmq.asyncio``), decoding with vLLM's own types
 (``vllm.distributed.kv_events.KVEventBatch``) into a ``KvIndex``.
 
 Faults, each counted (``derender_kv_events_*``) and none of them able to stall or end a worker:
@@ -27,10 +28,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from ..ops import kvmetrics as metrics
@@ -81,12 +82,11 @@ class Feed:
         self.stale_s = stale_s
         self.next_seq: int | None = None
         self.skip_below: int | None = None  # after a replay of all it held: live batches below it are had
-        self.last_event = 0.0  # monotonic
         self.waiting_since: float | None = None  # a request with new blocks went there, no event since
         self.in_index = True
         self.task: asyncio.Task | None = None
-        self._decoder: Any = None
-        self._counters: dict[str, tuple] = {}  # received / replayed: (batches, events), bound once
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._counters: dict[str, tuple] = {}  # received / replayed: (batches, events, lag), bound once
         self._size = metrics.kv_index_gauge()
 
     # -- the routing side --------------------------------------------------------------------------
@@ -119,11 +119,6 @@ class Feed:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
             self.task = None
-
-    def _decode(self, payload: bytes):
-        if self._decoder is None:
-            self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        return self._decoder.decode(payload)
 
     async def _run(self) -> None:
         context: zmq.Context = zmq.Context.instance()
@@ -234,8 +229,6 @@ class Feed:
     async def _replay(self, start: int, until: int | None) -> int:
         """Batches [start, until) from the replica's replay socket (``until`` None: all it holds);
         the sequence number after the last one applied."""
-        import zmq.asyncio
-
         assert self.spec.replay is not None
         dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
@@ -270,19 +263,17 @@ class Feed:
 
     def _apply(self, payload: bytes, how: str) -> None:
         try:
-            batch = self._decode(payload)
+            batch = self._decoder.decode(payload)
         except Exception:  # noqa: BLE001 - msgspec's errors: not vLLM's batch
             metrics.kv_event("dropped", self.spec.replica, "malformed")
             return
         replica, index = self.spec.replica, self.index
-        self.last_event = time.monotonic()
         self.waiting_since = None
         if not self.in_index:
             self.in_index = True
             log.info("kv-events routing: replica %s is back in the index", replica)
         for event in batch.events:
-            kind = type(event)
-            if kind is BlockStored:
+            if isinstance(event, BlockStored):
                 if self.block_size is not None and event.block_size != self.block_size:
                     log.error(
                         "kv-events: replica %s caches blocks of %d tokens and the filter hashes %d "
@@ -295,13 +286,13 @@ class Feed:
                 if self.learn is not None:
                     self.learn(event)
                 index.stored(replica, event.block_hashes)
-            elif kind is BlockRemoved:
+            elif isinstance(event, BlockRemoved):
                 index.removed(replica, event.block_hashes)
-            elif kind is AllBlocksCleared:
+            elif isinstance(event, AllBlocksCleared):
                 index.cleared(replica)
-        batches, events, lag = self._counters.get(how) or self._count(how)
+        batches, applied, lag = self._counters.get(how) or self._count(how)
         batches.inc()
-        events.inc(len(batch.events))
+        applied.inc(len(batch.events))
         lag.set(max(0.0, time.time() - batch.ts))
         self._size.set(index.entries)
 

@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit
 
 from vllm.distributed.kv_events import BlockStored
@@ -79,15 +79,13 @@ def tie(key: str | None, replica: str) -> int:
 PLAIN = (None, None, ())  # the seed of a prompt's chain without salt, adapter or images
 
 
-def python_chain(ids: Sequence[int], size: int, full: int, seed: object) -> list[int]:
-    """One 64-bit name per full block: Python's hash of the block chained to its parent's."""
-    parent = hash(seed)
-    out: list[int] = []
-    append = out.append
+def python_chain(ids: Sequence[int], size: int, full: int, parent: int) -> Iterator[int]:
+    """One 64-bit name per full block of the first ``full``: Python's hash of the block chained to its
+    parent's, the first to ``parent`` (``hash(seed)`` for a prompt's first block). Lazy: a caller that
+    stops at the first unknown name hashes no further."""
     for block in map(hash, zip(*[iter(ids[: full * size])] * size, strict=False)):
         parent = hash((parent, block))
-        append(parent)
-    return out
+        yield parent
 
 
 class KvRouting:
@@ -143,16 +141,13 @@ class KvRouting:
         if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
             named = self._named
             out: list[int] = []
-            append = out.append
-            name = hash(PLAIN)
-            for block in map(hash, zip(*[iter(ids[: full * size])] * size, strict=False)):
-                name = hash((name, block))  # python_chain's names, as far as they are known
+            for name in python_chain(ids, size, full, hash(PLAIN)):
                 h = named.get(name)
                 if h is None:
                     break
-                append(h)
+                out.append(h)
             return out
-        names = python_chain(ids, size, full, seed)
+        names = list(python_chain(ids, size, full, hash(seed)))
         memo = self._memo
         out = []
         parent = None
@@ -187,15 +182,14 @@ class KvRouting:
         if event.block_size != size or len(tokens) != size * len(hashes) or not hashes:
             return
         if event.parent_block_hash is None:
-            name = hash(PLAIN)
+            parent = hash(PLAIN)
         else:
             known = self._name_of.get(external(event.parent_block_hash))
             if known is None:
                 return  # its parent was never seen: its prompts match as far as the parent
-            name = known
+            parent = known
         named, name_of = self._named, self._name_of
-        for i, h in enumerate(hashes):
-            name = hash((name, hash(tuple(tokens[i * size : (i + 1) * size]))))
+        for name, h in zip(python_chain(tokens, size, len(hashes), parent), hashes, strict=True):
             block = external(h)
             named[name] = block
             name_of[block] = name

@@ -66,30 +66,23 @@ class PrefixCache:
     ) -> None:
         if not self.capacity:
             return
-        events: list = []
         chain = self.chain(token_ids, cache_salt, media, lora)
-        run: list[tuple] = []
-        run_parent = None
+        runs: list[tuple[list[tuple], object]] = []  # newly cached blocks, in runs, each with its parent
+        run: list[tuple] | None = None
         for i, entry in enumerate(chain):
             h = entry[0]
             if h in self.blocks:
                 self.blocks.move_to_end(h)
-                if run:
-                    events.append(self._stored(run, run_parent, lora))
-                    run = []
+                run = None
                 continue
-            if not run:
-                run_parent = chain[i - 1][0] if i else None
+            if run is None:
+                run = []
+                runs.append((run, chain[i - 1][0] if i else None))
             self.blocks[h] = None
             run.append(entry)
-        if run:
-            events.append(self._stored(run, run_parent, lora))
+        evicted = []
         while len(self.blocks) > self.capacity:
-            old, _ = self.blocks.popitem(last=False)
-            if self.events is not None:
-                events.append(self.events.removed(old))
+            evicted.append(self.blocks.popitem(last=False)[0])
         if self.events is not None:
-            self.events.publish(events)
-
-    def _stored(self, run: list[tuple], parent: object, lora: Lora | None) -> object:
-        return None if self.events is None else self.events.stored(run, parent, lora)
+            stored = [self.events.stored(run, parent, lora) for run, parent in runs]
+            self.events.publish(stored + [self.events.removed(h) for h in evicted])
