@@ -70,37 +70,12 @@ def request_fields(path: str = HEALTH, extra: list | None = None) -> list[tuple[
             ("content-type", "application/grpc"), ("te", "trailers"), *(extra or [])]
 
 
-class Peer:
-    """One connection to the server, the preface already sent unless ``preface=False``."""
+class Frames:
+    """A peer's frames out: its HPACK encoder and its stream ids."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", preface: bool = True, settings: bytes = b"",
-                 tls: ssl.SSLContext | None = None, rcvbuf: int | None = None, timeout: float = 5.0) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        if rcvbuf is not None:  # before connecting: the window the kernel offers is fixed then
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        sock.settimeout(timeout)
-        sock.connect((host, port))
-        self.sock = tls.wrap_socket(sock, server_hostname="localhost") if tls is not None else sock
+    def __init__(self) -> None:
         self.encoder = Encoder()
-        self.decoder = Decoder()
-        self.buffer = b""
-        self.received: list[Frame] = []
-        self.closed = False
         self.next_stream = 1
-        if preface:
-            self.send(wire.PREFACE + frame(wire.SETTINGS, 0, 0, settings))
-
-    # -- sending -------------------------------------------------------------------------------
-    def send(self, *data: bytes) -> None:
-        self.sock.sendall(b"".join(data))
-
-    def try_send(self, *data: bytes) -> bool:
-        """Send, or False once the server has closed the connection."""
-        try:
-            self.send(*data)
-            return True
-        except OSError:
-            return False
 
     def stream_id(self) -> int:
         sid, self.next_stream = self.next_stream, self.next_stream + 2
@@ -116,6 +91,38 @@ class Peer:
 
     def message(self, stream_id: int, message: bytes, end_stream: bool = True) -> bytes:
         return frame(wire.DATA, wire.END_STREAM if end_stream else 0, stream_id, grpc_message(message))
+
+
+class Peer(Frames):
+    """One connection to the server, the preface already sent unless ``preface=False``."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", preface: bool = True, settings: bytes = b"",
+                 tls: ssl.SSLContext | None = None, rcvbuf: int | None = None, timeout: float = 5.0) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:  # before connecting: the window the kernel offers is fixed then
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.settimeout(timeout)
+        sock.connect((host, port))
+        self.sock = tls.wrap_socket(sock, server_hostname="localhost") if tls is not None else sock
+        super().__init__()
+        self.decoder = Decoder()
+        self.buffer = b""
+        self.received: list[Frame] = []
+        self.closed = False
+        if preface:
+            self.send(wire.PREFACE + frame(wire.SETTINGS, 0, 0, settings))
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, *data: bytes) -> None:
+        self.sock.sendall(b"".join(data))
+
+    def try_send(self, *data: bytes) -> bool:
+        """Send, or False once the server has closed the connection."""
+        try:
+            self.send(*data)
+            return True
+        except OSError:
+            return False
 
     # -- receiving -----------------------------------------------------------------------------
     def _read(self, deadline: float) -> bool:

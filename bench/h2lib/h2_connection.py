@@ -18,8 +18,7 @@ import h2.settings
 from grpc.aio import EOF
 
 from derender.extproc.http2 import wire
-from derender.extproc.http2.connection import Backpressure
-from derender.extproc.http2.handlers import serve_handler, writer
+from derender.extproc.http2.handlers import serve_handler
 
 RESPONSE_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
@@ -41,7 +40,27 @@ class Stream:
         self.drained: asyncio.Future | None = None
 
 
-class H2Connection(Backpressure):
+def writer(connection, stream):
+    """A stream's ``write(message)``: the reply goes out as far as the windows allow; while the peer's
+    window holds it back, or the socket's writes are paused, the handler waits."""
+
+    async def write(message) -> None:
+        if stream.ended:
+            raise ConnectionResetError("the ext_proc stream is closed")
+        connection._send(stream, message.SerializeToString())
+        if stream.pending:
+            stream.drained = drained = connection.loop.create_future()
+            await drained
+        if connection.paused is not None:
+            await asyncio.shield(connection.paused)
+
+    return write
+
+
+class H2Connection(asyncio.Protocol):
+    """Runs where ``http2.Connection`` does: ``Server`` asks it the same (``calls``, ``machine.streams``,
+    ``drain``, ``close``, ``tick``)."""
+
     def __init__(self, server) -> None:
         self.server = server
         self.limits = server.limits
@@ -52,6 +71,21 @@ class H2Connection(Backpressure):
         self.transport: asyncio.Transport | None = None
         self.paused: asyncio.Future | None = None
         self.scheduled = False
+        self.machine = self  # what the server counts: ``machine.streams``
+        self.calls = self.streams  # what the server cancels when it stops: their ``task``
+
+    def pause_writing(self) -> None:
+        if self.paused is None:
+            self.paused = self.loop.create_future()
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        paused, self.paused = self.paused, None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        if paused is not None and not paused.done():
+            paused.set_result(None)
 
     # -- writing: what h2 has to send leaves once per loop turn ---------------------------------
     def _flush_soon(self) -> None:
@@ -262,3 +296,9 @@ class H2Connection(Backpressure):
 
     def tick(self, now: float) -> None:
         pass
+
+    def drain(self) -> None:
+        self.goaway()
+
+    def close(self) -> None:
+        self._close()

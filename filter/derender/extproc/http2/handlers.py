@@ -1,6 +1,6 @@
-"""A stream's handler and how it runs: ``Handler`` and ``Methods`` (what a ``Server`` serves),
-``writer`` (a stream's ``write``) and ``serve_handler`` (a handler run to its gRPC status). Shared by
-``streams.StreamSide`` and the benchmark's h2 frame layer (``bench/h2lib``)."""
+"""A stream's handler and how it runs: ``Handler`` and ``Methods`` (what a ``Server`` serves) and
+``serve_handler`` (a handler run to its gRPC status). Shared by ``connection.Connection`` and the
+benchmark's h2 frame layer (``bench/h2lib``)."""
 
 from __future__ import annotations
 
@@ -19,23 +19,6 @@ Methods = dict[str, tuple[Callable[[bytes], object], Handler]]
 # The stream's request metadata (its fields but the pseudo-headers, content-length and te; gRPC's
 # custom metadata), as its handler sees it: set in the handler's task before the handler runs.
 METADATA: ContextVar[dict[str, str]] = ContextVar("http2_metadata", default={})  # noqa: B039 - never mutated
-
-
-def writer(connection, stream):
-    """A stream's ``write(message)``: the reply goes out as far as the windows allow; while the peer's
-    window holds it back, or the socket's writes are paused, the handler waits."""
-
-    async def write(message) -> None:
-        if stream.ended:
-            raise ConnectionResetError("the ext_proc stream is closed")
-        connection._send(stream, message.SerializeToString())
-        if stream.pending:  # the peer's window holds it back: wait, as far as the peer reads
-            stream.drained = drained = connection.loop.create_future()
-            await drained
-        if connection.paused is not None:
-            await asyncio.shield(connection.paused)
-
-    return write
 
 
 async def serve_handler(handler: Handler, read, write, stream, finish: Callable[[Any, int, str], None]) -> None:

@@ -17,22 +17,14 @@ from typing import cast
 from hpack import Decoder, Encoder
 from hpack.exceptions import HPACKError, OversizedHeaderListError
 
-from .state import ConnectionState
 from .wire import (
     COMPRESSION_ERROR,
     CONTINUATION,
     END_HEADERS,
-    END_STREAM,
     ENHANCE_YOUR_CALM,
-    FRAME_SIZE_ERROR,
     HEADERS,
-    PRIORITY_FLAG,
     PROTOCOL_ERROR,
-    RESOURCE_EXHAUSTED,
-    STREAM_CLOSED,
-    UNIMPLEMENTED,
     ConnectionError_,
-    StreamError,
     frame,
 )
 
@@ -63,14 +55,13 @@ class Request:
     metadata: dict[str, str]  # the request's other fields (gRPC's custom metadata), for the handler
 
 
-class Codec:
-    """One connection's HPACK state, both ways."""
+class FieldDecoder:
+    """The peer's HPACK state: a block decoded whole, then measured against SETTINGS_MAX_HEADER_LIST_SIZE."""
 
     def __init__(self, max_header_list: int) -> None:
         self.max_header_list = max_header_list
         self.decoder = Decoder()
         self.decoder.max_header_list_size = max_header_list * DECODE_FACTOR
-        self.encoder = Encoder()
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         try:
@@ -84,6 +75,13 @@ class Codec:
         if sum(len(n) + len(v) + 32 for n, v in fields) > self.max_header_list:
             raise TooLarge(f"header list larger than {self.max_header_list} bytes")
         return fields
+
+
+class FieldEncoder:
+    """The server's HPACK state: header blocks out, split at the peer's frame size."""
+
+    def __init__(self) -> None:
+        self.encoder = Encoder()
 
     def peer_table_size(self, size: int) -> None:
         """The peer's SETTINGS_HEADER_TABLE_SIZE: what the encoder may use (never past 4096 here)."""
@@ -167,98 +165,42 @@ class HeaderBlock:
         self.dependency = dependency
 
 
-class HeaderSide(ConnectionState):
-    """HEADERS and CONTINUATION frames of a ``Connection``: a block gathered within its bounds, decoded,
-    then judged: trailers end a stream, a new stream is opened, refused or answered at once."""
+class Gatherer:
+    """One header block at a time: its HEADERS and CONTINUATION frames gathered within the bounds
+    (bytes, frames), then decoded whole so that both ends' tables stay the same."""
 
-    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id == 0 or stream_id % 2 == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}")
-        body = self._unpad(flags, payload)
-        dependency = None
-        if flags & PRIORITY_FLAG:
-            if len(body) < 5:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "short HEADERS priority", "frame_size")
-            dependency = int.from_bytes(body[:4], "big") & 0x7FFFFFFF
-            body = body[5:]
-        if body:
-            self.empty_run = 0
-        elif not flags & END_STREAM:
-            self._empty()
-        if len(body) > self.limits.max_header_block:
+    def __init__(self, max_header_list: int, max_header_block: int, max_continuations: int) -> None:
+        self.fields = FieldDecoder(max_header_list)
+        self.max_header_block = max_header_block
+        self.max_continuations = max_continuations
+        self.block: HeaderBlock | None = None  # until its END_HEADERS
+
+    def start(self, stream_id: int, flags: int, body: bytes, dependency: int | None) -> bool:
+        """A HEADERS frame's block fragment; True when the block is whole."""
+        if len(body) > self.max_header_block:
             raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large", "continuation_flood")
-        self.header_block = HeaderBlock(stream_id, flags, body, dependency)
-        if flags & END_HEADERS:
-            self._header_block_done()
+        self.block = HeaderBlock(stream_id, flags, body, dependency)
+        return bool(flags & END_HEADERS)
 
-    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
-        block = self.header_block
+    def more(self, stream_id: int, payload: bytes) -> None:
+        """A CONTINUATION frame's fragment (``bound`` then judges the block's size)."""
+        block = self.block
         if block is None or block.stream_id != stream_id:
             raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
         block.frames += 1
         block.data += payload
-        if payload:
-            self.empty_run = 0
-        elif not flags & END_HEADERS:
-            self._empty()
-        if block.frames > self.limits.max_continuations + 1 or len(block.data) > self.limits.max_header_block:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large", "continuation_flood")
-        if flags & END_HEADERS:
-            self._header_block_done()
 
-    def _header_block_done(self) -> None:
-        block, self.header_block = self.header_block, None
+    def bound(self) -> None:
+        block = self.block
         assert block is not None
-        stream_id, flags = block.stream_id, block.flags
+        if block.frames > self.max_continuations + 1 or len(block.data) > self.max_header_block:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large", "continuation_flood")
+
+    def done(self) -> tuple[HeaderBlock, list[tuple[bytes, bytes]], str]:
+        """The whole block, its fields, and why it is too large ("" if it is not)."""
+        block, self.block = self.block, None
+        assert block is not None
         try:
-            decoded = self.codec.decode(bytes(block.data))
+            return block, self.fields.decode(bytes(block.data)), ""
         except TooLarge as exc:
-            too_large = str(exc)
-            decoded = []
-        else:
-            too_large = ""
-        stream = self.streams.get(stream_id)
-        if stream is not None:  # trailers
-            if stream.remote_closed:
-                raise StreamError(stream_id, STREAM_CLOSED, "HEADERS after the end of the stream")
-            if not flags & END_STREAM:
-                raise StreamError(stream_id, PROTOCOL_ERROR, "HEADERS without END_STREAM on an open stream")
-            if too_large:
-                raise StreamError(stream_id, PROTOCOL_ERROR, too_large)
-            try:
-                trailers(decoded)
-            except Malformed as exc:
-                raise StreamError(stream_id, PROTOCOL_ERROR, str(exc)) from None
-            self._end_of_input(stream)
-            return
-        if stream_id <= self.last_stream:
-            self._closed_stream(stream_id, HEADERS)
-            return
-        self.last_stream = stream_id
-        self.streams_opened += 1
-        if block.dependency == stream_id:
-            raise StreamError(stream_id, PROTOCOL_ERROR, "a stream that depends on itself")
-        if too_large:
-            self.server.defended("header_list_size")
-            self._take_reset()
-            self._trailers_only(stream_id, RESOURCE_EXHAUSTED, too_large, flags & END_STREAM)
-            return
-        try:
-            asked = request(decoded)
-        except Malformed as exc:
-            raise StreamError(stream_id, PROTOCOL_ERROR, str(exc)) from None
-        if self.server.draining or self.goaway_phase == 2:  # after the last stream id was sent
-            self._refuse(stream_id)
-            return
-        limit = self.limits.max_concurrent_streams
-        if len(self.streams) >= limit or self.running >= limit:
-            self.server.defended("max_streams")
-            self._take_reset()
-            self._refuse(stream_id)
-            return
-        method = self.server.methods.get(asked.path)
-        if method is None or asked.encoding not in (None, b"identity"):
-            why = f"unknown method {asked.path[:200]}" if method is None else "compressed"
-            self._trailers_only(stream_id, UNIMPLEMENTED, why, flags & END_STREAM)
-            return
-        self._open(stream_id, method, asked.content_length, flags & END_STREAM, asked.metadata)
+            return block, [], str(exc)

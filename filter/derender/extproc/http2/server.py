@@ -13,6 +13,7 @@ from typing import Any
 
 from .connection import Connection
 from .handlers import Methods
+from .inbound import Budget
 from .wire import Limits
 
 log = logging.getLogger("derender.http2")
@@ -34,7 +35,7 @@ class Server:
         self.on_defence = on_defence
         self.defences: Counter[str] = Counter()
         self.connections: set[Connection] = set()
-        self.reserved = 0  # message bytes held by every connection, against ``max_buffered_total``
+        self.budget = Budget(self.limits.max_buffered_total)  # message bytes held by all its connections
         self.draining = False
         self._server: asyncio.base_events.Server | None = None
         self._stopped = asyncio.Event()
@@ -91,8 +92,13 @@ class Server:
             for connection in list(self.connections):
                 connection.tick(now)
 
+    @property
+    def reserved(self) -> int:
+        """Message bytes held by all the connections, against ``Limits.max_buffered_total``."""
+        return self.budget.reserved
+
     def streams(self) -> int:
-        return sum(len(c.streams) for c in self.connections)
+        return sum(len(c.machine.streams) for c in self.connections)
 
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
@@ -103,21 +109,21 @@ class Server:
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
-            connection.goaway()
+            connection.drain()
         if grace:
             deadline = asyncio.get_running_loop().time() + grace
             while self.streams() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110 - a count over many connections
                 await asyncio.sleep(0.05)
         tasks = []
         for connection in list(self.connections):
-            for stream in list(connection.streams.values()):
-                if stream.task is not None and not stream.task.done():
-                    stream.task.cancel()
-                    tasks.append(stream.task)
+            for call in list(connection.calls.values()):
+                if call.task is not None and not call.task.done():
+                    call.task.cancel()
+                    tasks.append(call.task)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for connection in list(self.connections):
-            connection._close()
+            connection.close()
         if self._sweep is not None:
             self._sweep.cancel()
         self._stopped.set()

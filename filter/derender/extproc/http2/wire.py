@@ -8,6 +8,7 @@ each with its default and what it answers).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -153,16 +154,17 @@ class Limits:
 class TokenBucket:
     """``burst`` tokens, given back at ``rate`` a second; ``take`` is False once none are left."""
 
-    __slots__ = ("at", "burst", "rate", "tokens")
+    __slots__ = ("at", "burst", "clock", "rate", "tokens")
 
-    def __init__(self, burst: int, rate: float) -> None:
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokens = float(burst)
         self.burst = burst
         self.rate = rate
-        self.at = time.monotonic()
+        self.clock = clock
+        self.at = clock()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = self.clock()
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
         if self.tokens < 1:
