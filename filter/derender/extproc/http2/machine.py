@@ -551,6 +551,9 @@ class Machine:
         stream = self.streams.get(stream_id)
         if stream is None or stream.ended:
             return None
+        if not stream.inbox and not stream.reading:  # as at production pacing: the handler waits
+            stream.reading = True
+            return None
         item = self.inbound.read(stream)
         if self.outbound.control_queued > self.limits.max_control_queue:
             self.fail(ConnectionError_(ENHANCE_YOUR_CALM, "control frames left unread", "control_flood"))
