@@ -28,7 +28,7 @@ ORDER = ["settings", "translate", "exchange", "ops", "routing", "stages", "endpo
 
 def room(parts: tuple[str, ...]) -> str:
     """The room of a module, from its path inside the package (``("endpoints", "chat")``)."""
-    if not parts or parts[0] in ("cli", "options", "up", "__init__", "__main__"):
+    if not parts or parts[0] in ("cli", "options", "routeflags", "up", "__init__", "__main__"):
         return "top"
     return parts[0]
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from . import options
+from . import options, routeflags
 from .extproc import listen
 from .ops import assets
 from .options import model_spec
@@ -104,17 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"derender: token budgets from {process.quota_config} ({listed}) in {quotas.redis}", file=sys.stderr)
 
     model = served(args, process)
-    from .routing.balance import RoutingSpec
-
-    routing = RoutingSpec(
-        args.routing,
-        args.prefix_block_size,
-        args.prefix_caching_hash_algo,
-        key_blocks=args.prefix_key_blocks,
-        kv_events=tuple(e for e in args.kv_events.split(",") if e),
-        kv_events_replay=tuple(e for e in args.kv_events_replay.split(",") if e),
-        kv_events_topic=args.kv_events_topic,
-    )
+    routing = routeflags.routing_spec(args)
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(
         model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process
@@ -181,6 +171,17 @@ def cmd_quota(args: argparse.Namespace) -> int:
     except quota.STORE_ERRORS as exc:
         raise SystemExit(f"derender: the quota store {config.redis} did not answer: {exc}") from None
     print(json.dumps(shown, indent=2))
+    return 0
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    """``derender queue show``: flow control's state, from the filter's metrics port (every worker)."""
+    from .ops.flowshow import show
+
+    try:
+        print(show(args.metrics))
+    except OSError as exc:
+        raise SystemExit(f"derender: {args.metrics} could not be read: {exc}") from None
     return 0
 
 
@@ -255,6 +256,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Redis when the file names none (as derender serve)",
     )
     quota_parser.set_defaults(func=cmd_quota)
+
+    queue = sub.add_parser("queue", help="flow control: `queue show` prints what waits, by band and key")
+    queue.add_argument("action", choices=("show",))
+    queue.add_argument(
+        "--metrics",
+        default=os.environ.get("DERENDER_METRICS_URL") or "http://127.0.0.1:9464/metrics",
+        metavar="URL",
+        help="the filter's metrics (derender serve --metrics-port; default $DERENDER_METRICS_URL, "
+        "else http://127.0.0.1:9464/metrics)",
+    )
+    queue.set_defaults(func=cmd_queue)
 
     seams = sub.add_parser("seams", help="whether each vLLM seam holds on the installed vLLM (make seams)")
     seams.add_argument(

@@ -7,6 +7,7 @@ import os
 
 from .extproc import listen
 from .ops import assets
+from .routeflags import add_routing_arguments
 from .settings import Settings
 
 
@@ -83,53 +84,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: bool = F
         default=1,
         help="as vllm serve --stream-interval: streaming producer requests ask for an event every N "
         "tokens (fewer, larger events: less CPU per token, text in steps of N; default 1)",
-    )
-
-
-ROUTING_HELP = (
-    "how requests pick a producer replica: least-request (Envoy's own), prefix (consistent hash on the prompt's "
-    "prefix key: a conversation's turns stick to a replica), precise (the replica known to hold the longest "
-    "cached prefix, else as prefix), kv-events (the replica whose own KV cache events say it holds the longest "
-    "run of the prompt's blocks, else as prefix; --kv-events). Envoy's producer cluster must balance to match "
-    "(derender up writes it)"
-)
-
-
-ROUTINGS = ("least-request", "prefix", "precise", "kv-events")  # routing.balance.MODES
-
-
-def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--routing", choices=ROUTINGS, default="least-request", help=ROUTING_HELP)
-    for flag, what in (
-        ("--kv-events", "PUB socket (vllm serve --kv-events-config's endpoint)"),
-        ("--kv-events-replay", "replay socket (replay_endpoint; without it a gap is not filled)"),
-    ):
-        parser.add_argument(
-            flag,
-            default="",
-            metavar="ENDPOINT[,...]",
-            help=f"kv-events routing: each producer's KV events {what}, in --producer's order: tcp://HOST:PORT, "
-            "or :PORT on its own host",
-        )
-    parser.add_argument("--kv-events-topic", default="", help="the producers' KV events topic (default '')")
-    parser.add_argument(
-        "--prefix-block-size",
-        type=int,
-        default=16,
-        help="tokens per prefix-cache block, as the producers run (vLLM's --block-size; default 16)",
-    )
-    parser.add_argument(
-        "--prefix-key-blocks",
-        type=int,
-        default=256,
-        help="the routing key covers a prompt's first turn, at most this many blocks (default 256)",
-    )
-    parser.add_argument(
-        "--prefix-caching-hash-algo",
-        default="sha256",
-        choices=("sha256", "sha256_cbor"),
-        help="the producers' --prefix-caching-hash-algo, for the prefix key (default sha256; "
-        "vLLM's xxhash ones seed every process at random: no key would be the same twice)",
     )
 
 
@@ -349,6 +303,12 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 (repeatable; default: $DERENDER_API_KEYS)",
     )
     up.add_argument("--responses-store", default=None, metavar="URL", help="the filter's --responses-store (Redis URL)")
+    up.add_argument(
+        "--quota-config",
+        default=None,
+        metavar="FILE",
+        help="the filter's --quota-config: token budgets per API key, and flow control's priority and weight",
+    )
     up.add_argument(
         "--stream-path",
         choices=("lean", "vllm"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from .extproc import health
 from .ops import assets, envoy_config
 from .ops.children import Child, free_port, http_ok
+from .routeflags import flow_flags
 from .routing.config import ConfigError, envoy_clusters, load
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -207,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
         if getattr(args, "responses_store", None):
             keys += ["--responses-store", args.responses_store]
+        if getattr(args, "quota_config", None):
+            keys += ["--quota-config", args.quota_config]
+        keys += flow_flags(args)
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
         traces = getattr(args, "otlp_traces_endpoint", None)

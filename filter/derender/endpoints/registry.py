@@ -11,7 +11,7 @@ it on to that model's producers.
 from __future__ import annotations
 
 from ..exchange import Endpoint
-from ..stages import Stage, budget, metrics, requestlog, routing, tracing
+from ..stages import Stage, budget, flow, metrics, requestlog, routing, tracing
 from ..translate.errors import HTTPError
 from . import chat, completions, messages, responses, tokenization
 
@@ -34,6 +34,7 @@ def stages(budgets: budget.Budgets) -> list[Stage]:
     module in ``stages/`` plus its line here."""
     return [
         budgets,  # admit: reserve the key's tokens, or refuse (before anything is routed)
+        flow.FlowControl(budgets),  # admit: wait for room at the producers (--replica-capacity)
         routing.Routing(),  # admit: the producer replica
         tracing.Tracing(),  # admit: the producer request continues the trace
         metrics.Metrics(),

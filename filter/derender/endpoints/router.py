@@ -24,7 +24,9 @@ from ..exchange import Answered, Endpoint, Exchange, Reply, ResponseStart, Rewri
 from ..ops import quota
 from ..routing.balance import Balancer, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
+from ..routing.flow import Flow
 from ..routing.producer import Producer
+from ..routing.saturation import flow_for
 from ..stages import Pipeline, RequestContext
 from ..stages.budget import Budgets
 from ..translate.errors import HTTPError, dumps
@@ -86,6 +88,7 @@ class Backend:
         self.routing = routing  # None: the server's --routing
         self.kv_events, self.kv_events_replay = kv_events, kv_events_replay  # None: the server's flags
         self.balancer: Balancer | None = None  # set by the Router
+        self.flow: Flow | None = None  # flow control (--replica-capacity), set by the Router
         if model is not None:  # built now, not on the first request
             serving_completion(model)
 
@@ -143,6 +146,7 @@ class ModelExchange:
             raise endpoint.error(exc) from None
         ctx.exchange = backend.exchange(endpoint, ctx.x_request_id)
         ctx.balancer = backend.balancer
+        ctx.flow = backend.flow
         result = await ctx.exchange.request_body(body)
         if isinstance(result, Rewrite):
             with_priority(result, ctx.headers.get(PRIORITY_HEADER))
@@ -209,6 +213,7 @@ class Router:
             backend.balancer = routing.balancer(
                 tokenizer, backend.routing, urls, backend.kv_events, backend.kv_events_replay
             )
+            backend.flow = flow_for(routing.flow, urls, backend.cluster)
         self.by_name: dict[str, Backend] = {}
         for backend in served:
             for name in backend.names:

@@ -11,6 +11,7 @@ before anything reaches a producer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import time
@@ -18,11 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from envoy.type.v3 import http_status_pb2
 from grpc.aio import EOF
 
 from ..endpoints import registry
@@ -39,73 +37,21 @@ from ..translate.model import Model
 from . import http2
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
 from .listen import Listener, hostport, listen_hosts
+from .messages import (
+    _BUFFERED_RESPONSE,
+    _PASS_RESPONSE,
+    _body_mutation,
+    _error,
+    _extend,
+    _header_map,
+    _mutation,
+    immediate,
+)
 
 log = logging.getLogger("derender.extproc")
 
 # Headers a client may send that the producer must not see.
 STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
-
-
-def _response_body_only(mode: int) -> processing_mode_pb2.ProcessingMode:
-    """A ``mode_override`` for the rest of a response: its body in ``mode``, nothing else.
-
-    Every field is set: an override that leaves a body mode out turns that body off.
-    """
-    M = processing_mode_pb2.ProcessingMode
-    return M(
-        request_header_mode=M.SKIP,
-        response_header_mode=M.SKIP,
-        request_body_mode=M.NONE,
-        response_body_mode=mode,
-        request_trailer_mode=M.SKIP,
-        response_trailer_mode=M.SKIP,
-    )
-
-
-# Non-streaming and error responses: the whole body at once.
-_BUFFERED_RESPONSE = _response_body_only(processing_mode_pb2.ProcessingMode.BUFFERED)
-# Envoy's own reply to a request the filter never saw the body of (e.g. 413): let it through.
-_PASS_RESPONSE = _response_body_only(processing_mode_pb2.ProcessingMode.NONE)
-
-
-def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
-    out = {}
-    for h in headers.headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
-
-
-def _mutation(set_headers: dict[str, str] | None = None, remove: list[str] | tuple[str, ...] = ()) -> pb.HeaderMutation:
-    m = pb.HeaderMutation(remove_headers=list(remove))
-    for key, value in (set_headers or {}).items():
-        m.set_headers.append(
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        )
-    return m
-
-
-def immediate(
-    status: int, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
-) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=_mutation({"content-type": content_type, **(headers or {})}),
-            body=body,
-            details="derender",
-        )
-    )
-
-
-def _error(exc: HTTPError) -> pb.ProcessingResponse:
-    return immediate(exc.status, exc.body())
-
-
-def _body_mutation(body: bytes) -> pb.BodyMutation:
-    return pb.BodyMutation(body=body) if body else pb.BodyMutation(clear_body=True)
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -155,6 +101,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         await write(immediate(routed.status, routed.body, routed.content_type, routed.headers))
                         return
                     exchange = routed
+                    exchange.ctx.extend = functools.partial(_extend, write)
                     await write(self._request_headers(headers))
                 elif kind == "request_body" and exchange is not None and not rewritten:
                     try:
@@ -340,6 +287,9 @@ async def serve(
     feeds = [b.balancer.kv for b in router.backends if b.balancer is not None and b.balancer.kv is not None]
     for kv in feeds:  # kv-events routing: each producer's KV cache events, read on this loop
         kv.start()
+    signals = [b.flow.signal for b in router.backends if b.flow is not None and b.flow.signal is not None]
+    for reported in signals:  # flow control: each producer's /metrics, read on this loop
+        reported.start()
     log.info(
         "ext_proc listening on %s (transport %s%s), producer %s",
         address,
@@ -359,6 +309,8 @@ async def serve(
         await server.stop(grace=2)
         for kv in feeds:
             await kv.stop()
+        for reported in signals:
+            await reported.stop()
         await producer.close()
         tracing.shutdown()
 

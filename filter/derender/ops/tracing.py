@@ -155,6 +155,22 @@ class RequestTrace:
         _propagator().inject(headers, context=set_span_in_context(self.producer))
         return headers
 
+    def span_between(self, name: str, start: float, end: float, attributes: dict[str, Any]) -> None:
+        """A finished child span of the request's, between two ``time.monotonic()`` instants."""
+        if not self.span.is_recording():
+            return
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        now_mono, now_ns = time.monotonic(), time.time_ns()
+        span = self.tracer.start_span(
+            name,
+            context=set_span_in_context(self.span),
+            start_time=_ns(start, now_mono, now_ns),
+            kind=SpanKind.INTERNAL,
+        )
+        span.set_attributes(attributes)
+        span.end(end_time=_ns(end, now_mono, now_ns))
+
     def end(self, report: Report, route: dict[str, object] | None) -> None:
         """The request is over: its attributes and child spans from its exchange's final ``report``
         and the routing decision's fields (``route``), then every span ends."""

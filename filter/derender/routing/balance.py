@@ -41,8 +41,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from .flow import FlowSpec
 from .kvroute import KvRouting, feed_specs, tie
 from .prefix import Media, PrefixKey
 
@@ -249,6 +250,7 @@ class RoutingSpec:
     kv_events: tuple[str, ...] = ()  # --kv-events: each producer's events endpoint (kvroute)
     kv_events_replay: tuple[str, ...] = ()  # --kv-events-replay
     kv_events_topic: str = ""  # --kv-events-topic
+    flow: FlowSpec = field(default_factory=FlowSpec)  # --replica-capacity and the queue's flags (flow control)
 
     def balancer(
         self,

@@ -73,6 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(one prompt at a time, as one GPU prefills)",
     )
     parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=0,
+        help="at most this many sequences run at once; the rest wait in arrival order, as in vLLM's "
+        "scheduler (vLLM's flag; 0: no limit); /metrics serves vllm:num_requests_running and _waiting",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag",
@@ -107,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         lora_modules=args.lora_modules,
+        max_num_seqs=args.max_num_seqs,
     )
     try:
         import uvloop

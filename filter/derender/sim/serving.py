@@ -42,6 +42,7 @@ class Serving(SimulatorState):
         try:
             if raw:
                 self.requests.append(body := json.loads(raw))
+                self.numbered.append([self.received, body])
         except ValueError as e:
             bad_json = e
         try:
@@ -113,6 +114,17 @@ class Serving(SimulatorState):
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise RequestError(f"simulator script error: {e}", "InternalServerError", 500) from None
         self.running[gen.engine_id].add(gen)
+        try:
+            async with self.scheduler.slot(len(gen.choices)):  # --max-num-seqs: it may wait its turn
+                return await self._run(gen, body)
+        finally:
+            self.running[gen.engine_id].discard(gen)
+            if not self.running[gen.engine_id]:
+                del self.running[gen.engine_id]
+
+    async def _run(self, gen: _Generation, body: dict) -> web.StreamResponse:
+        """A scheduled request: its prefill (the prompt's blocks then cached), then its answer."""
+        prompt = body["token_ids"]
         salt, media, lora = body.get("cache_salt"), media_of(body), self.loras.get(body.get("model") or "")
         gen.cached_tokens = self.cache.cached_tokens(prompt, salt, media, lora)
         self.prompt_tokens += len(prompt)
@@ -130,9 +142,6 @@ class Serving(SimulatorState):
             self.disconnected.append(gen.engine_id)
             raise
         finally:
-            self.running[gen.engine_id].discard(gen)
-            if not self.running[gen.engine_id]:
-                del self.running[gen.engine_id]
             for c in gen.choices:  # the KV of what was computed stays cached
                 self.cache.store(prompt + c.tokens[: c.sent], salt, media, lora)
 
@@ -367,10 +376,11 @@ class Serving(SimulatorState):
                 "cached_prompt_tokens": self.cached_prompt_tokens,
                 "prefill_waits": list(self.prefill_waits),
                 "kv_event_batches": self.cache.events.published if self.cache.events is not None else 0,
+                "scheduler": self.scheduler.stats(),
             }
         )
 
     async def introspect(self, request: web.Request) -> web.Response:
-        """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies),
-        /sim/headers (request headers of /inference/v1/generate)."""
+        """GET /sim/aborted, /sim/disconnected (engine ids), /sim/requests (bodies), /sim/numbered
+        ([its arrival number, body]), /sim/headers (request headers of /inference/v1/generate)."""
         return web.json_response(list(getattr(self, request.match_info["what"])))

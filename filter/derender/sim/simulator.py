@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from .cache import PrefixCache
 from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
 from .kvevents import KvEvents
+from .scheduler import Scheduler
 from .serving import Serving
 from .wire import _TURNS, FAULTS, RequestError, _json_response, preload_features_decoder
 
@@ -40,6 +41,7 @@ class Simulator(Serving):
         block_size: int = 16,
         prefix_caching_hash_algo: str = "sha256",
         lora_modules: list[str] | tuple[str, ...] = (),
+        max_num_seqs: int = 0,
     ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
@@ -69,6 +71,7 @@ class Simulator(Serving):
         )
         self.clock = StepClock()
         self.requests: collections.deque = collections.deque(maxlen=50)
+        self.numbered: collections.deque = collections.deque(maxlen=400)  # [arrival number, body]
         self.headers: collections.deque = collections.deque(maxlen=50)  # of generate requests
         self.received = 0  # generate requests, ever
         self.prompt_tokens = 0  # of those requests, ever
@@ -90,6 +93,7 @@ class Simulator(Serving):
                 raise ValueError(f"--lora-modules takes NAME=PATH, not {item!r}")
             self.loras[name] = (name, path, i + 1)
         self.prefill_us_per_token = prefill_us_per_token
+        self.scheduler = Scheduler(max_num_seqs)
         self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details
 
@@ -333,15 +337,24 @@ class Simulator(Serving):
             "logprobs": logprobs,
         }
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        """GET /metrics: vLLM's scheduler gauges (``Scheduler.metrics``)."""
+        cache = self.cache
+        text = self.scheduler.metrics(
+            self.model_name, lambda: len(cache.blocks) / cache.capacity if cache.capacity else 0.0
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)  # vLLM's server sets no body limit (images' tensors)
         app[SIMULATOR] = self
         app.router.add_post("/inference/v1/generate", self.generate)
         app.router.add_post("/inference/v1/abort_requests", self.abort_requests)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/sim/config", self.set_config)
         app.router.add_post("/sim/release", self.release)
-        app.router.add_get("/sim/{what:aborted|disconnected|requests|headers}", self.introspect)
+        app.router.add_get("/sim/{what:aborted|disconnected|requests|numbered|headers}", self.introspect)
         app.router.add_get("/sim/stats", self.stats)
         return app
 

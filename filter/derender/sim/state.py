@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .cache import PrefixCache
     from .generation import _Choice, _Generation
+    from .scheduler import Scheduler
 
 
 class SimulatorState:
     requests: collections.deque
+    numbered: collections.deque
     headers: collections.deque
     received: int
     prompt_tokens: int
@@ -27,6 +29,7 @@ class SimulatorState:
     held: set[_Generation]
     hold_after: int | str | None  # 'end': held after the last event
     cache: PrefixCache
+    scheduler: Scheduler  # --max-num-seqs
     loras: dict[str, tuple[str, str, int]]  # --lora-modules: name -> (name, path, vLLM's id)
     prefill_us_per_token: float
     _prefill: asyncio.Lock

@@ -10,6 +10,7 @@ from ..exchange import Answered, Endpoint, Exchange, Reply, Report, ResponseStar
 from ..ops.quota import Account
 from ..ops.tracing import RequestTrace
 from ..routing.balance import Balancer, Decision
+from ..routing.flow import Flow, Turn
 
 # A stage's work on one body chunk of a request it engaged with: (the request, client bytes) -> client bytes.
 ChunkHook = Callable[["RequestContext", bytes], Awaitable[bytes]]
@@ -25,9 +26,14 @@ class RequestContext:
     exchange: Exchange = field(default_factory=Answered)  # the backend's exchange, once the body named the model
     balancer: Balancer | None = None  # the backend's producer routing (``--routing``), if any
     route: Decision | None = None  # what producer routing decided (``stages.routing``)
+    flow: Flow | None = None  # the backend's flow control (``--replica-capacity``), if on
+    turn: Turn | None = None  # the request's pass through it (``stages.flow``)
     account: Account | None = None  # the key's budgets (``stages.budget``), if any apply
     trace: RequestTrace | None = None  # the request's trace (``stages.tracing``), when traces are exported
     on_chunk: list[ChunkHook] = field(default_factory=list)  # stages' work on every body chunk
+    # Tell Envoy to wait this many seconds more for the filter's answer (ext_proc's
+    # override_message_timeout, up to its max_message_timeout); set by the ext_proc server.
+    extend: Callable[[float], Awaitable[None]] | None = None
 
     @property
     def report(self) -> Report:

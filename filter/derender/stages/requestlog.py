@@ -42,5 +42,8 @@ class RequestLog(Stage):
         )
         if ctx.route is not None:
             fields.update(ctx.route.fields())
+        turn = ctx.turn
+        if turn is not None and turn.since:  # it waited for room (flow control)
+            fields.update(queued_ms=ms(turn.waited), queue=turn.outcome, band=turn.band, queue_key=turn.key)
         fields.update(report.fields)
         logging.getLogger(report.logger).info(report.name, extra={"fields": fields})

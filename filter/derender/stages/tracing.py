@@ -24,4 +24,16 @@ class Tracing(Stage):
 
     def end(self, ctx: RequestContext) -> None:
         if ctx.trace is not None:
+            turn = ctx.turn
+            if turn is not None and turn.since:  # it waited for room (flow control)
+                ctx.trace.span_between(
+                    "queue",
+                    turn.since,
+                    turn.since + turn.waited,
+                    {
+                        "derender.queue.outcome": turn.outcome,
+                        "derender.queue.band": turn.band,
+                        "derender.queue.key": turn.key,
+                    },
+                )
             ctx.trace.end(ctx.report, ctx.route.fields() if ctx.route is not None else None)

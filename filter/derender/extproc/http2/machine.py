@@ -11,7 +11,7 @@ peer makes before an answer, and resets it makes the server send, draw on a toke
 Reset, MadeYouReset). A frame that breaks one stream resets that stream only; one that breaks the
 connection's state (HPACK, flow control, framing) gets GOAWAY with the code RFC 9113 names.
 
-One class, longer than this package's other modules: RFC 9113's frames act on the connection and
+One class, longer than 400 lines: RFC 9113's frames act on the connection and
 its streams together (a SETTINGS frame changes every stream's window, a stream's end may end a
 graceful GOAWAY), and reading them in one place is reading the RFC's state machine. What stands
 alone is apart: header blocks (``headers``), control frames as values and closed streams

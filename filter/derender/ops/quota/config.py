@@ -44,6 +44,8 @@ class Key:
     models: dict[str, Limits] = field(default_factory=dict)
     prompt_weight: float = 1.0
     completion_weight: float = 1.0
+    priority: int = 0  # flow control: its requests' band (vLLM's convention: lower is served first)
+    weight: float = 1.0  # flow control: its share within the band, against other keys'
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,17 @@ class QuotaConfig:
 
 
 LIMIT_FIELDS = {f.name for f in fields(Limits)}
-KEY_FIELDS = LIMIT_FIELDS | {"name", "key", "key_env", "key_sha256", "models", "prompt_weight", "completion_weight"}
+KEY_FIELDS = LIMIT_FIELDS | {
+    "name",
+    "key",
+    "key_env",
+    "key_sha256",
+    "models",
+    "prompt_weight",
+    "completion_weight",
+    "priority",
+    "weight",
+}
 
 
 def digest(secret: str) -> str:
@@ -128,8 +140,22 @@ def _key(where: str, entry: Any, named: bool) -> tuple[str | None, Key]:
         models=models,
         prompt_weight=_weight(where, "prompt_weight", entry.get("prompt_weight", 1.0)),
         completion_weight=_weight(where, "completion_weight", entry.get("completion_weight", 1.0)),
+        priority=_priority(where, entry.get("priority", 0)),
+        weight=_share(where, entry.get("weight", 1.0)),
     )
     return secret, key
+
+
+def _share(where: str, value: Any) -> float:
+    if _weight(where, "weight", value) <= 0:
+        raise QuotaConfigError(f"{where}: weight must be above 0 (got {value!r})")
+    return float(value)
+
+
+def _priority(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -1000 <= value <= 1000:
+        raise QuotaConfigError(f"{where}: priority must be a whole number from -1000 to 1000 (got {value!r})")
+    return value
 
 
 def parse(data: Any, source: str, redis_fallback: str | None = None) -> QuotaConfig:
