@@ -4,6 +4,7 @@
     .venv/bin/python bench/paced_ab.py --before ../old --rounds 5 --out bench/PACED_AB.md
     .venv/bin/python bench/paced_ab.py --before ../old --api messages   # through /v1/messages
     .venv/bin/python bench/paced_ab.py --before . --after-traces        # traces off vs on, this tree
+    .venv/bin/python bench/paced_ab.py --before . --after-flow          # flow control off vs on (room to spare)
     .venv/bin/python bench/paced_ab.py --before . --after-quotas        # token budgets off vs on, this tree
 
 One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
@@ -174,6 +175,9 @@ def main() -> int:
                         help="the after tree exports OpenTelemetry traces (every request sampled) to a receiver here")
     parser.add_argument("--after-quotas", action="store_true",
                         help="the after tree charges every stream to a key's token budgets (--quota-config) in a Redis here")
+    parser.add_argument("--after-flow", action="store_true",
+                        help="the after tree runs flow control with room to spare (--replica-capacity 1000): what a "
+                        "request that finds room pays, and the producer's /metrics read every 0.25 s")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -183,6 +187,8 @@ def main() -> int:
     sink = TraceSink() if args.after_traces else None
     traced: tuple[str, ...] = ("--otlp-traces-endpoint", sink.url, "--trace-sample-ratio", "1") if sink else ()
     store = QuotaStore() if args.after_quotas else None
+    if args.after_flow:
+        traced += ("--replica-capacity", "1000", "--saturation-interval", "0.25")
     if store is not None:
         traced += store.flags
         load.HEADERS["authorization"] = f"Bearer {store.KEY}"  # both trees get it; the before one checks no key
@@ -207,7 +213,8 @@ def main() -> int:
         f"{f' --envoy-concurrency {args.envoy_concurrency}' if args.envoy_concurrency != procs.ENVOY_CONCURRENCY else ''}"
         f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}"
         f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}"
-        f"{' --after-traces' if args.after_traces else ''}{' --after-quotas' if args.after_quotas else ''}`: "
+        f"{' --after-traces' if args.after_traces else ''}{' --after-quotas' if args.after_quotas else ''}"
+        f"{' --after-flow' if args.after_flow else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "

@@ -17,9 +17,10 @@ import httpx
 import openai
 import pytest
 
-from stack import Proc, http_get, http_post, start_envoy, start_filter, start_sim, wait_for
+from stack import Proc, free_port, http_get, http_post, start_envoy, start_filter, start_sim, wait_for
 
 CAPACITY = 8
+METRICS_PORT = free_port()
 
 
 def served(qwen3_dir: str, *flags: str) -> list[str]:
@@ -98,7 +99,7 @@ class Fleet:
 def fleet(qwen3_dir):
     f = Fleet(qwen3_dir, sim_flags=("--max-num-seqs", str(CAPACITY), "--delay", "0.05"),
               flags=("--replica-capacity", str(CAPACITY), "--queue-size", "200", "--queue-timeout", "3",
-                     "--saturation-interval", "0.1"))
+                     "--saturation-interval", "0.1", "--metrics-port", str(METRICS_PORT)))
     yield f
     f.stop()
 
@@ -239,6 +240,38 @@ def test_a_client_that_leaves_while_queued_reaches_no_producer(knobs):
     assert not any("gone-marker" in t for t in texts)
 
 
+def test_derender_queue_show_prints_what_waits(knobs):
+    """While the producer is full (held), three requests wait: ``derender queue show`` reads the
+    filter's metrics and says so, by band and key; the metrics count what became of them."""
+    import subprocess
+    import sys
+
+    fleet = knobs
+    fleet.config(hold_after=1)
+
+    async def run() -> str:
+        async with httpx.AsyncClient(base_url=fleet.base, timeout=60) as client:
+            held = [asyncio.create_task(client.post("/v1/chat/completions", json=chat(f"held {i}", stream=True)))
+                    for i in range(CAPACITY)]
+            await until(lambda: stats(fleet.sims[0])["running"] == CAPACITY, "the producer full")
+            waiting = [asyncio.create_task(client.post("/v1/chat/completions", json=chat(f"waits {i}"),
+                                                       headers={"x-vllm-priority": "3"})) for i in range(3)]
+            await asyncio.sleep(0.5)
+            shown = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "derender.cli", "queue", "show", "--metrics",
+                                 f"http://127.0.0.1:{METRICS_PORT}/metrics"], capture_output=True, text=True, timeout=60)
+            fleet.config(hold_after=None)
+            while not all(t.done() for t in held + waiting):
+                fleet.release()
+                await asyncio.sleep(0.1)
+            assert shown.returncode == 0, shown.stderr
+            return shown.stdout
+
+    out = asyncio.run(run())
+    assert "band 3  key anonymous: 3" in out, out
+    assert "backend producer: load 8 of capacity 8" in out, out
+
+
 def test_a_request_that_waits_too_long_gets_429_in_its_clients_shape(knobs):
     """The producer full and held: the official SDKs' requests wait --queue-timeout (3 s), then get a
     429 they read as a rate limit, with Retry-After."""
@@ -342,3 +375,52 @@ def test_two_filter_processes_share_the_producers_limit(qwen3_dir):
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def test_within_a_band_keys_take_turns_by_weight_and_bands_go_in_order():
+    """The queue's order on its own (``routing.flow.Queue``): a key of weight 2 gets two turns for every
+    one of a key of weight 1 while both wait, a key back after a pause is not owed the turns it missed,
+    a lower band number goes first, and one key may hold at most half the queue."""
+    from derender.routing.flow import Queue, Waiter
+
+    async def run() -> None:
+        queue = Queue(max_queued=100, max_bytes=1 << 20)
+        for i in range(30):
+            queue.push(Waiter("heavy", 0, 2.0, 10))
+        for i in range(15):
+            queue.push(Waiter("light", 0, 1.0, 10))
+        order = [queue.pop().key for _ in range(30)]
+        assert order.count("heavy") == 20 and order.count("light") == 10
+        assert all(order[i : i + 3].count("heavy") == 2 for i in range(0, 30, 3))
+        while queue.count:
+            queue.pop()
+        for _ in range(10):
+            queue.push(Waiter("steady", 0, 1.0, 10))
+        for _ in range(5):
+            queue.pop()  # steady alone for a while: its turns run on
+        queue.push(Waiter("returning", 0, 1.0, 10))
+        queue.push(Waiter("returning", 0, 1.0, 10))
+        nxt = [queue.pop().key for _ in range(4)]
+        assert nxt == ["returning", "steady", "returning", "steady"]  # next at once, then turn about, no burst
+        queue.push(Waiter("late-but-urgent", -1, 1.0, 10))
+        assert queue.pop().key == "late-but-urgent"
+        while queue.count:
+            queue.pop()
+        assert sum(queue.fits("one", 10) and (queue.push(Waiter("one", 0, 1.0, 10)) or True) for _ in range(80)) == 50
+        assert queue.fits("another", 10) and not queue.fits("one", 10)
+
+    asyncio.run(run())
+
+
+def test_a_keys_priority_and_weight_come_from_the_budget_file():
+    from derender.ops.quota.config import QuotaConfigError, parse
+
+    config = parse({"redis": "redis://127.0.0.1:1/0", "keys": [
+        {"name": "chat", "key": "k1", "priority": -1, "weight": 4},
+        {"name": "batch", "key": "k2", "priority": 10}]}, "keys.yaml")
+    chat_key, batch_key = sorted(config.keys.values(), key=lambda k: k.name)[::-1]
+    assert (chat_key.name, chat_key.priority, chat_key.weight) == ("chat", -1, 4.0)
+    assert (batch_key.priority, batch_key.weight) == (10, 1.0)
+    for bad in ({"priority": 1.5}, {"weight": 0}, {"weight": -1}, {"priority": 5000}):
+        with pytest.raises(QuotaConfigError):
+            parse({"redis": "redis://127.0.0.1:1/0", "keys": [{"name": "x", "key": "k", **bad}]}, "keys.yaml")
