@@ -27,7 +27,7 @@ import procs  # noqa: E402
 
 SEQS = 8
 DELAY = 0.02
-TOKENS = 50
+TOKENS = 100
 
 
 async def first_chunk(client: httpx.AsyncClient, key: str, max_tokens: int) -> float:

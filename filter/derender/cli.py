@@ -44,6 +44,8 @@ def served(args: argparse.Namespace, process: Settings):
                 e.routing,
                 e.kv_events,
                 e.kv_events_replay,
+                e.replica_capacity,
+                e.prefill,
             )
             for e in entries
         ]

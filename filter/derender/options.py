@@ -324,6 +324,13 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "several, each models vLLM's prefix cache and reports its hits (cached_tokens)",
     )
     up.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        help="simulated prefill replicas (without --producer): the simulators split into prefill and decode "
+        "(--kv-role), and the filter hands each long prompt's KV from one to the other (default 0: none)",
+    )
+    up.add_argument(
         "--max-connections",
         type=int,
         default=10000,

@@ -52,6 +52,7 @@ def add_routing_arguments(parser: argparse.ArgumentParser) -> None:
         "vLLM's xxhash ones seed every process at random: no key would be the same twice)",
     )
     add_flow_arguments(parser)
+    add_handoff_arguments(parser)
 
 
 def add_flow_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,11 +83,36 @@ def add_flow_arguments(parser: argparse.ArgumentParser) -> None:
         help="flow control: the waiting requests' rendered bodies, bytes per worker (default 256 MiB)",
     )
     parser.add_argument(
+        "--key-reserve",
+        type=float,
+        default=0.125,
+        help="flow control: the share of the capacity one key cannot fill: kept for keys with nothing in "
+        "flight, so that another key's request starts at once while one key floods (default 0.125)",
+    )
+    parser.add_argument(
         "--saturation-interval",
         type=float,
         default=0.25,
         help="flow control: seconds between reads of each producer's vLLM /metrics (its requests running and "
         "waiting: the load every worker and filter process shares); 0: each worker counts its own (default 0.25)",
+    )
+
+
+def add_handoff_arguments(parser: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill (``routing.handoff``): off unless --prefill is given."""
+    parser.add_argument(
+        "--prefill",
+        default="",
+        metavar="URL[,URL...]",
+        help="prefill producers: a long prompt is prefilled on one of them first, and its KV handed to the "
+        "decode producer (--producer) through vLLM's kv_transfer_params (default: none)",
+    )
+    parser.add_argument("--prefill-timeout", type=float, default=30.0, help="seconds for one prefill call (default 30)")
+    parser.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        help="prompts shorter than this go to the decode producer alone (default 256)",
     )
 
 
@@ -105,6 +131,22 @@ def flow_flags(args: argparse.Namespace) -> list[str]:
         str(args.queue_bytes),
         "--saturation-interval",
         str(args.saturation_interval),
+        "--key-reserve",
+        str(args.key_reserve),
+    ]
+
+
+def handoff_flags(args: argparse.Namespace) -> list[str]:
+    """The prefill/decode flags as ``derender serve`` takes them (for ``derender up``)."""
+    if not getattr(args, "prefill", ""):
+        return []
+    return [
+        "--prefill",
+        args.prefill,
+        "--prefill-timeout",
+        str(args.prefill_timeout),
+        "--pd-min-prompt-tokens",
+        str(args.pd_min_prompt_tokens),
     ]
 
 
@@ -112,10 +154,18 @@ def routing_spec(args: argparse.Namespace) -> Any:
     """The ``routing.balance.RoutingSpec`` of ``derender serve``'s flags."""
     from .routing.balance import RoutingSpec
     from .routing.flow import FlowSpec
+    from .routing.handoff import HandoffSpec
 
-    if args.replica_capacity < 0 or args.queue_timeout <= 0 or args.queue_size < 1 or args.saturation_interval < 0:
+    if (
+        args.replica_capacity < 0
+        or args.queue_timeout <= 0
+        or args.queue_size < 1
+        or args.saturation_interval < 0
+        or not 0 <= args.key_reserve < 1
+    ):
         raise SystemExit(
-            "derender: --replica-capacity >= 0, --queue-timeout > 0, --queue-size >= 1, --saturation-interval >= 0"
+            "derender: --replica-capacity >= 0, --queue-timeout > 0, --queue-size >= 1, --saturation-interval >= 0, "
+            "0 <= --key-reserve < 1"
         )
     return RoutingSpec(
         args.routing,
@@ -125,7 +175,15 @@ def routing_spec(args: argparse.Namespace) -> Any:
         kv_events=tuple(e for e in args.kv_events.split(",") if e),
         kv_events_replay=tuple(e for e in args.kv_events_replay.split(",") if e),
         kv_events_topic=args.kv_events_topic,
+        handoff=HandoffSpec(
+            tuple(u for u in args.prefill.split(",") if u), args.prefill_timeout, args.pd_min_prompt_tokens
+        ),
         flow=FlowSpec(
-            args.replica_capacity, args.queue_timeout, args.queue_size, args.queue_bytes, args.saturation_interval
+            args.replica_capacity,
+            args.queue_timeout,
+            args.queue_size,
+            args.queue_bytes,
+            args.saturation_interval,
+            args.key_reserve,
         ),
     )

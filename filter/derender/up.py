@@ -15,7 +15,7 @@ from pathlib import Path
 from .extproc import health
 from .ops import assets, envoy_config
 from .ops.children import Child, free_port, http_ok
-from .routeflags import flow_flags
+from .routeflags import flow_flags, handoff_flags
 from .routing.config import ConfigError, envoy_clusters, load
 
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -178,8 +178,19 @@ def run(args: argparse.Namespace) -> int:
                         str(args.prefix_block_size),
                     ]
                     more += ["--prefix-caching-hash-algo", args.prefix_caching_hash_algo]
+                if args.prefill_replicas > 0:
+                    more += ["--kv-role", "decode"]
                 argv = [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args, *more]
                 sims.append((port, stack.start(name, argv)))
+            prefill = []
+            for i in range(max(0, args.prefill_replicas)):  # prefill producers (--kv-role prefill)
+                port = free_port()
+                argv = [*derender, "sim", "--model", args.model, "--port", str(port), *sim_args, "--kv-role", "prefill"]
+                prefill.append((port, stack.start(f"prefill-{i + 1}", argv)))
+            if prefill:
+                args.prefill = ",".join(f"http://127.0.0.1:{port}" for port, _ in prefill)
+            for port, sim in prefill:
+                sim.wait(functools.partial(http_ok, f"http://127.0.0.1:{port}/health"), 60)
             if events:
                 args.kv_events = ",".join(pub for pub, _ in events)
                 args.kv_events_replay = ",".join(replay for _, replay in events)
@@ -210,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
             keys += ["--responses-store", args.responses_store]
         if getattr(args, "quota_config", None):
             keys += ["--quota-config", args.quota_config]
-        keys += flow_flags(args)
+        keys += flow_flags(args) + handoff_flags(args)
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
         traces = getattr(args, "otlp_traces_endpoint", None)

@@ -11,7 +11,7 @@ it on to that model's producers.
 from __future__ import annotations
 
 from ..exchange import Endpoint
-from ..stages import Stage, budget, flow, metrics, requestlog, routing, tracing
+from ..stages import Stage, budget, flow, handoff, metrics, requestlog, routing, tracing
 from ..translate.errors import HTTPError
 from . import chat, completions, messages, responses, tokenization
 
@@ -36,6 +36,7 @@ def stages(budgets: budget.Budgets) -> list[Stage]:
         budgets,  # admit: reserve the key's tokens, or refuse (before anything is routed)
         flow.FlowControl(budgets),  # admit: wait for room at the producers (--replica-capacity)
         routing.Routing(),  # admit: the producer replica
+        handoff.Handoffs(),  # admit: the prompt prefilled on a prefill replica first (--prefill)
         tracing.Tracing(),  # admit: the producer request continues the trace
         metrics.Metrics(),
         requestlog.RequestLog(),

@@ -15,6 +15,7 @@ answered at once (a ``Reply``), without a producer round trip.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 from urllib.parse import unquote
 
@@ -25,6 +26,7 @@ from ..ops import quota
 from ..routing.balance import Balancer, RoutingSpec
 from ..routing.clusters import CLUSTER_HEADER, DEFAULT_CLUSTER, ClusterProducers
 from ..routing.flow import Flow
+from ..routing.handoff import Handoff
 from ..routing.producer import Producer
 from ..routing.saturation import flow_for
 from ..stages import Pipeline, RequestContext
@@ -76,6 +78,8 @@ class Backend:
         routing: str | None = None,
         kv_events: tuple[str, ...] = (),
         kv_events_replay: tuple[str, ...] = (),
+        replica_capacity: int | None = None,
+        prefill: tuple[str, ...] = (),
     ) -> None:
         if (model is None) == (render_url is None):
             raise ValueError("a backend has either a local model or a render tier URL")
@@ -88,7 +92,10 @@ class Backend:
         self.routing = routing  # None: the server's --routing
         self.kv_events, self.kv_events_replay = kv_events, kv_events_replay  # None: the server's flags
         self.balancer: Balancer | None = None  # set by the Router
-        self.flow: Flow | None = None  # flow control (--replica-capacity), set by the Router
+        self.replica_capacity = replica_capacity  # None: the server's --replica-capacity
+        self.prefill = prefill  # prefill producers (none: the server's --prefill)
+        self.flow: Flow | None = None  # flow control, set by the Router
+        self.handoff: Handoff | None = None  # prefill replicas (--prefill), set by the Router
         if model is not None:  # built now, not on the first request
             serving_completion(model)
 
@@ -147,6 +154,7 @@ class ModelExchange:
         ctx.exchange = backend.exchange(endpoint, ctx.x_request_id)
         ctx.balancer = backend.balancer
         ctx.flow = backend.flow
+        ctx.handoff = backend.handoff
         result = await ctx.exchange.request_body(body)
         if isinstance(result, Rewrite):
             with_priority(result, ctx.headers.get(PRIORITY_HEADER))
@@ -213,7 +221,15 @@ class Router:
             backend.balancer = routing.balancer(
                 tokenizer, backend.routing, urls, backend.kv_events, backend.kv_events_replay
             )
-            backend.flow = flow_for(routing.flow, urls, backend.cluster)
+            spec = routing.flow
+            if backend.replica_capacity is not None:
+                spec = replace(spec, capacity=backend.replica_capacity)
+            backend.flow = flow_for(spec, urls, backend.cluster)
+            handoff = routing.handoff
+            if backend.prefill:
+                handoff = replace(handoff, prefill=backend.prefill)
+            if handoff.prefill:
+                backend.handoff = Handoff(handoff)
         self.by_name: dict[str, Backend] = {}
         for backend in served:
             for name in backend.names:

@@ -311,6 +311,9 @@ async def serve(
             await kv.stop()
         for reported in signals:
             await reported.stop()
+        for backend in router.backends:  # the prefill replicas' client
+            if backend.handoff is not None:
+                await backend.handoff.close()
         await producer.close()
         tracing.shutdown()
 

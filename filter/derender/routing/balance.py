@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .flow import FlowSpec
+from .handoff import HandoffSpec
 from .kvroute import KvRouting, feed_specs, tie
 from .prefix import Media, PrefixKey
 
@@ -251,6 +252,7 @@ class RoutingSpec:
     kv_events_replay: tuple[str, ...] = ()  # --kv-events-replay
     kv_events_topic: str = ""  # --kv-events-topic
     flow: FlowSpec = field(default_factory=FlowSpec)  # --replica-capacity and the queue's flags (flow control)
+    handoff: HandoffSpec = field(default_factory=HandoffSpec)  # --prefill and its flags (prefill/decode)
 
     def balancer(
         self,

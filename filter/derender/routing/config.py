@@ -15,7 +15,9 @@ YAML, one entry per served model::
           url: http://10.0.0.7:8000     # or a list of URLs (one cluster, several endpoints)
           kv_events: [tcp://10.0.0.7:5557]   # kv-events routing: each URL's events (or ":5557" for all)
           kv_events_replay: [":5558"]        # and their replay sockets (optional)
+          prefill: [http://10.0.0.6:8000]    # prefill producers: long prompts' KV handed to url's (optional)
         routing: prefix                 # least-request | prefix | precise | kv-events (default: --routing)
+        replica_capacity: 8             # flow control: requests in flight per replica (default: the flag's)
       - name: [r1, deepseek-r1]
         render_url: http://10.0.0.9:8000   # render-tier mode: no model is loaded for it
         producer: {cluster: r1, url: http://10.0.0.8:8000}
@@ -53,6 +55,7 @@ _KEYS = {
     "producer",
     "render_url",
     "routing",
+    "replica_capacity",
     "enable_prompt_tokens_details",
     "stream_interval",
     "lora_modules",
@@ -78,6 +81,8 @@ class ModelEntry:
     routing: str | None = None  # None: the --routing flag's
     kv_events: tuple[str, ...] = ()  # the producers' KV events endpoints (None: the flags')
     kv_events_replay: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()  # prefill producers (the prefill/decode handoff; none: the --prefill flag's)
+    replica_capacity: int | None = None  # flow control (None: the --replica-capacity flag's)
 
     @property
     def producer_url(self) -> str:
@@ -111,17 +116,17 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: 'name' must be a model name or a list of names")
     producer = item.get("producer")
-    if not isinstance(producer, dict) or set(producer) - {"cluster", "url", "kv_events", "kv_events_replay"}:
+    if not isinstance(producer, dict) or set(producer) - {"cluster", "url", "kv_events", "kv_events_replay", "prefill"}:
         raise ConfigError(
             f"{where}: 'producer' must be a mapping with 'cluster' and 'url' (and optionally 'kv_events', "
-            "'kv_events_replay')"
+            "'kv_events_replay', 'prefill')"
         )
     events = {}
-    for name in ("kv_events", "kv_events_replay"):
+    for name in ("kv_events", "kv_events_replay", "prefill"):
         value = producer.get(name, [])
         value = [value] if isinstance(value, str) else value
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-            raise ConfigError(f"{where}: producer.{name} must be an endpoint or a list of endpoints")
+            raise ConfigError(f"{where}: producer.{name} must be an endpoint or a list of them")
         events[name] = tuple(value)
     cluster, urls = producer.get("cluster"), producer.get("url")
     urls = [urls] if isinstance(urls, str) else urls
@@ -140,7 +145,12 @@ def _entry(path: Path, i: int, item: Any) -> ModelEntry:
     routing = item.get("routing")
     if routing is not None and routing not in ROUTINGS:
         raise ConfigError(f"{where}: routing must be one of {', '.join(ROUTINGS)}")
-    return ModelEntry(tuple(names), spec, cluster, tuple(urls), render_url, routing, **events)
+    capacity = item.get("replica_capacity")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ConfigError(f"{where}: replica_capacity must be a whole number >= 0 (0: no flow control)")
+    return ModelEntry(
+        tuple(names), spec, cluster, tuple(urls), render_url, routing, **events, replica_capacity=capacity
+    )
 
 
 def _spec(path: Path, where: str, item: dict[str, Any], names: list[str]) -> ModelSpec:

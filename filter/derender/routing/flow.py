@@ -17,8 +17,10 @@ front of another key's.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +36,7 @@ class FlowSpec:
     max_queued: int = 1024  # --queue-size: requests waiting, per worker and backend
     max_bytes: int = 256 * MiB  # --queue-bytes: their rendered bodies, together
     interval: float = 0.25  # --saturation-interval: seconds between reads of /metrics (0: this worker's count)
+    reserve: float = 0.125  # --key-reserve: the share of the capacity kept for keys with nothing in flight
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class Turn:
     since: float = 0.0  # when it began to wait (monotonic), 0: it did not
     waited: float = 0.0  # seconds
     sent: bool = False  # counted in flight until the request ends
+    flow_key: str = ""  # the key it is counted under
 
 
 class Waiter:
@@ -70,10 +74,13 @@ class Band:
     def push(self, waiter: Waiter) -> None:
         self.flows.setdefault(waiter.key, deque()).append(waiter)
 
-    def pop(self) -> Waiter:
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Waiter | None:
         clock, ends = self.clock, self.ends
+        keys = self.flows if eligible is None else [k for k in self.flows if eligible(k)]
+        if not keys:
+            return None
         # The earliest virtual start; on a tie, the key served least lately (a key back after a pause).
-        key = min(self.flows, key=lambda k: (max(clock, ends.get(k, 0.0)), ends.get(k, 0.0)))
+        key = min(keys, key=lambda k: (max(clock, ends.get(k, 0.0)), ends.get(k, 0.0)))
         flow = self.flows[key]
         waiter = flow.popleft()
         if not flow:
@@ -122,22 +129,28 @@ class Queue:
         self.count += 1
         self.bytes += waiter.cost
 
-    def pop(self) -> Waiter | None:
-        for band in self.bands.values():
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Waiter | None:
+        """The next waiter (of a key ``eligible`` says may go, if given): by band, then by turns."""
+        for number, band in self.bands.items():
             if band.flows:
-                waiter = band.pop()
-                self.count -= 1
-                self.bytes -= waiter.cost
-                return waiter
+                waiter = band.pop(eligible)
+                if waiter is not None:
+                    self._taken(number, band, waiter)
+                    return waiter
         return None
 
     def remove(self, waiter: Waiter) -> bool:
         band = self.bands.get(waiter.band)
         if band is None or not band.remove(waiter):
             return False
+        self._taken(waiter.band, band, waiter)
+        return True
+
+    def _taken(self, number: int, band: Band, waiter: Waiter) -> None:
         self.count -= 1
         self.bytes -= waiter.cost
-        return True
+        if not band.flows and len(self.bands) > 1:  # an empty band is forgotten (its turns with it)
+            del self.bands[number]
 
     def by_key(self) -> dict[tuple[int, str], int]:
         """(band, key) -> requests waiting."""
@@ -169,6 +182,7 @@ class Flow:
         self.signal = signal
         self.queue = Queue(spec.max_queued, spec.max_bytes)
         self.in_flight = 0  # this worker's requests sent and not ended
+        self.by_key: dict[str, int] = {}  # of those, per key
         self.sent_since = 0  # sent since the signal's reading began, less those of this worker's that ended
         self.marked = 0  # ``sent_since`` when the reading in progress began
         self.waits: deque[float] = deque(maxlen=64)  # seconds the last dispatched waiters waited
@@ -181,21 +195,34 @@ class Flow:
         load, up = reported
         return max(self.in_flight, load + self.sent_since), self.spec.capacity * up
 
-    def room(self) -> bool:
+    def room(self, key: str) -> bool:
+        """Whether a request of ``key`` may go now: below the capacity less the reserve, anyone; in the
+        reserve, only a key with nothing in flight here (a flooding key cannot take the last slots, so
+        another key's request finds one free at once)."""
         load, capacity = self.load()
-        return load < capacity
+        return load < capacity - self.reserved(capacity) or (load < capacity and not self.by_key.get(key))
+
+    def reserved(self, capacity: int) -> int:
+        """The slots of ``capacity`` kept for keys with nothing in flight (``--key-reserve``)."""
+        return min(capacity - 1, math.ceil(capacity * self.spec.reserve)) if capacity > 1 else 0
 
     def up(self) -> bool:
         """Whether any replica is up, as far as the signal knows (True without one)."""
         return self.signal is None or not self.signal.none_up()
 
-    def sent(self) -> None:
+    def sent(self, key: str) -> None:
         self.in_flight += 1
         self.sent_since += 1
+        self.by_key[key] = self.by_key.get(key, 0) + 1
 
-    def ended(self) -> None:
+    def ended(self, key: str) -> None:
         self.in_flight -= 1
         self.sent_since -= 1
+        left = self.by_key.get(key, 0) - 1
+        if left > 0:
+            self.by_key[key] = left
+        else:
+            self.by_key.pop(key, None)
 
     def reading(self) -> None:
         """The signal's reading begins: what this worker sent until now will be in it."""
@@ -222,13 +249,17 @@ class Flow:
     def release(self) -> list[Waiter]:
         """The waiters that now have room, in the order they are served (each counted as sent)."""
         out = []
-        while self.queue.count and self.room():
-            waiter = self.queue.pop()
+        while self.queue.count:
+            load, capacity = self.load()
+            if load >= capacity:
+                break
+            free = load < capacity - self.reserved(capacity)  # else: the reserve, for keys with nothing in flight
+            waiter = self.queue.pop(None if free else lambda key: not self.by_key.get(key))
             if waiter is None:
                 break
             if waiter.future.done():  # it left (or timed out) in this very turn
                 continue
-            self.sent()
+            self.sent(waiter.key)
             waiter.future.set_result(None)
             self.waits.append(time.monotonic() - waiter.since)
             out.append(waiter)

@@ -80,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "scheduler (vLLM's flag; 0: no limit); /metrics serves vllm:num_requests_running and _waiting",
     )
     parser.add_argument(
+        "--kv-role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="disaggregated prefill: a prefill producer answers do_remote_decode with where its KV blocks wait "
+        "(vLLM's NIXL connector's kv_transfer_params); a decode producer given do_remote_prefill takes them from "
+        "that simulator and skips its own prefill (default both)",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens, as vllm serve with this flag",
@@ -115,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         lora_modules=args.lora_modules,
         max_num_seqs=args.max_num_seqs,
+        kv_role=args.kv_role,
+        address=(args.host, args.port),
     )
     try:
         import uvloop

@@ -130,7 +130,8 @@ class Serving(SimulatorState):
         self.prompt_tokens += len(prompt)
         self.cached_prompt_tokens += gen.cached_tokens
         try:
-            if self.prefill_us_per_token:  # prefill: the tokens not found in the cache, one prompt
+            pulled = await self.handoff.pulled(body)  # a decode whose KV a prefill producer computed
+            if self.prefill_us_per_token and not pulled:  # prefill: the tokens not found in the cache, one prompt
                 arrived = time.monotonic()  # at a time (one GPU's prefill throughput: a queue forms)
                 async with self._prefill:
                     await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
@@ -208,24 +209,9 @@ class Serving(SimulatorState):
             ),
         )
 
-    @staticmethod
-    def _kv_transfer(body: dict, gen: _Generation) -> dict | None:
-        """A prefill producer's answer to ``kv_transfer_params: {"do_remote_decode": true}``: where its
-        KV blocks wait for the decode producer (the fields vLLM's NIXL connector returns), else None."""
-        asked = body.get("kv_transfer_params")
-        if not isinstance(asked, dict) or not asked.get("do_remote_decode"):
-            return None
-        blocks = (len(body.get("token_ids") or ()) + 15) // 16
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(range(blocks)),
-            "remote_engine_id": "derender-sim",
-            "remote_host": "127.0.0.1",
-            "remote_port": 5600,
-            "tp_size": 1,
-            "request_id": gen.engine_id,
-        }
+    def _kv_transfer(self, body: dict, gen: _Generation) -> dict | None:
+        """A prefill producer's answer to ``kv_transfer_params: {"do_remote_decode": true}`` (``handoff``)."""
+        return self.handoff.answer(body, gen.engine_id)
 
     def _faulty(self, fault: str | None, response: web.Response) -> web.Response:
         """A malformed-output fault applied to a non-streaming body."""
@@ -377,6 +363,7 @@ class Serving(SimulatorState):
                 "prefill_waits": list(self.prefill_waits),
                 "kv_event_batches": self.cache.events.published if self.cache.events is not None else 0,
                 "scheduler": self.scheduler.stats(),
+                "kv_handoff": self.handoff.stats(),
             }
         )
 

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from .cache import PrefixCache
 from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
+from .handoff import KvHandoff
 from .kvevents import KvEvents
 from .scheduler import Scheduler
 from .serving import Serving
@@ -42,6 +43,8 @@ class Simulator(Serving):
         prefix_caching_hash_algo: str = "sha256",
         lora_modules: list[str] | tuple[str, ...] = (),
         max_num_seqs: int = 0,
+        kv_role: str = "both",
+        address: tuple[str, int] = ("127.0.0.1", 0),
     ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
@@ -94,6 +97,7 @@ class Simulator(Serving):
             self.loras[name] = (name, path, i + 1)
         self.prefill_us_per_token = prefill_us_per_token
         self.scheduler = Scheduler(max_num_seqs)
+        self.handoff = KvHandoff(kv_role, *address, block_size=self.cache.block_size)
         self._prefill = asyncio.Lock()
         self.prompt_tokens_details = prompt_tokens_details
 
@@ -352,6 +356,8 @@ class Simulator(Serving):
         app.router.add_post("/inference/v1/abort_requests", self.abort_requests)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/sim/kv/{request_id}", self.handoff.take)
+        app.on_cleanup.append(lambda _: self.handoff.close())
         app.router.add_post("/sim/config", self.set_config)
         app.router.add_post("/sim/release", self.release)
         app.router.add_get("/sim/{what:aborted|disconnected|requests|numbered|headers}", self.introspect)

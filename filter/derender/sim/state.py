@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .cache import PrefixCache
     from .generation import _Choice, _Generation
+    from .handoff import KvHandoff
     from .scheduler import Scheduler
 
 
@@ -30,6 +31,7 @@ class SimulatorState:
     hold_after: int | str | None  # 'end': held after the last event
     cache: PrefixCache
     scheduler: Scheduler  # --max-num-seqs
+    handoff: KvHandoff  # --kv-role
     loras: dict[str, tuple[str, str, int]]  # --lora-modules: name -> (name, path, vLLM's id)
     prefill_us_per_token: float
     _prefill: asyncio.Lock

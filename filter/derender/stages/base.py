@@ -11,6 +11,7 @@ from ..ops.quota import Account
 from ..ops.tracing import RequestTrace
 from ..routing.balance import Balancer, Decision
 from ..routing.flow import Flow, Turn
+from ..routing.handoff import Handed, Handoff
 
 # A stage's work on one body chunk of a request it engaged with: (the request, client bytes) -> client bytes.
 ChunkHook = Callable[["RequestContext", bytes], Awaitable[bytes]]
@@ -28,6 +29,8 @@ class RequestContext:
     route: Decision | None = None  # what producer routing decided (``stages.routing``)
     flow: Flow | None = None  # the backend's flow control (``--replica-capacity``), if on
     turn: Turn | None = None  # the request's pass through it (``stages.flow``)
+    handoff: Handoff | None = None  # the backend's prefill replicas (``--prefill``), if any
+    handed: Handed | None = None  # the request's prefill (``stages.handoff``)
     account: Account | None = None  # the key's budgets (``stages.budget``), if any apply
     trace: RequestTrace | None = None  # the request's trace (``stages.tracing``), when traces are exported
     on_chunk: list[ChunkHook] = field(default_factory=list)  # stages' work on every body chunk

@@ -21,12 +21,14 @@ import orjson
 from ..exchange import Reply, Rewrite
 from ..ops import flowmetrics
 from ..ops.quota import Quotas
+from ..ops.quota.config import Key
 from ..routing.flow import Flow, Turn, Waiter
 from ..translate.errors import HTTPError
 from .base import RequestContext, Stage
 from .budget import Budgets
 
 ANONYMOUS = "anonymous"
+LOWER_BANDS = 16  # how far below its key's band a request may put itself (bands stay few: the metrics' labels)
 EXTEND_MARGIN = 10.0  # seconds Envoy is asked to wait past the queue's timeout (the answer after it)
 
 
@@ -38,19 +40,21 @@ class FlowControl(Stage):
         flow = ctx.flow
         if flow is None:
             return None
-        if not flow.queue.count and flow.room():  # room: no cost but the count
-            flow.sent()
-            ctx.turn = Turn("sent", sent=True)
+        found = self._key(ctx)
+        key = found[0]
+        if not flow.queue.count and flow.room(key):  # room: no cost but the count
+            flow.sent(key)
+            ctx.turn = Turn("sent", sent=True, flow_key=key)
             flowmetrics.OUTCOMES.labels("sent").inc()
             return None
-        key, label, band, weight = self._who(ctx, rewrite)
+        label, band, weight = self._place(found, rewrite)
         cost = len(rewrite.body)
         if not flow.queue.fits(key, cost):
             ctx.turn = Turn("refused", band, label)
             flowmetrics.OUTCOMES.labels("refused").inc()
             return self._refuse(ctx, flow, "the queue for this model's producers is full")
         waiter = Waiter(key, band, weight, cost)
-        turn = ctx.turn = Turn("waiting", band, label, waiter.since)
+        turn = ctx.turn = Turn("waiting", band, label, waiter.since, flow_key=key)
         flow.queue.push(waiter)
         gauge = flowmetrics.QUEUED.labels(str(band), label)
         gauge.inc()
@@ -62,7 +66,7 @@ class FlowControl(Stage):
                 await asyncio.wait((waiter.future,), timeout=flow.spec.timeout)
         except asyncio.CancelledError:  # the client left while it waited
             if not flow.queue.remove(waiter) and waiter.future.done():
-                self._ended(flow)  # it had been given room: give it back
+                self._ended(flow, key)  # it had been given room: give it back
             self._close(turn, "left")
             raise
         finally:
@@ -93,29 +97,36 @@ class FlowControl(Stage):
         error = HTTPError(429, why + "; retry later", "rate_limit_error" if anthropic else "rate_limit_exceeded")
         return Reply.error(ctx.endpoint.error(error), {"retry-after": str(flow.retry_after())})
 
-    def _who(self, ctx: RequestContext, rewrite: Rewrite) -> tuple[str, str, int, float]:
-        """(the key's queue, its metrics label, the band, the weight) of a request that must wait."""
+    def _key(self, ctx: RequestContext) -> tuple[str, Key | None, bool]:
+        """(the request's key as flow control counts it, its entry in the budget file if any, whether the
+        file lists it by name)."""
         quotas: Quotas | None = self.budgets.quotas
         found = quotas.key_for(ctx.headers) if quotas is not None else None
         if found is not None:
-            ident, entry = found
-            listed = quotas is not None and entry is not quotas.config.default
-            key, label, band, weight = ident, entry.name if listed else "default", entry.priority, entry.weight
+            assert quotas is not None
+            return found[0], found[1], found[1] is not quotas.config.default
+        secret = ctx.headers.get("x-api-key") or ctx.headers.get("authorization", "")
+        return (hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else ANONYMOUS), None, False
+
+    @staticmethod
+    def _place(found: tuple[str, Key | None, bool], rewrite: Rewrite) -> tuple[str, int, float]:
+        """(its metrics label, its band, its weight) for a request that must wait."""
+        key, entry, listed = found
+        if entry is not None:
+            label, band, weight = entry.name if listed else "default", entry.priority, entry.weight
         else:
-            secret = ctx.headers.get("x-api-key") or ctx.headers.get("authorization", "")
-            key = hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else ANONYMOUS
-            label, band, weight = "default" if secret else ANONYMOUS, 0, 1.0
+            label, band, weight = "default" if key != ANONYMOUS else ANONYMOUS, 0, 1.0
         try:
             asked = orjson.loads(rewrite.body).get("priority")
         except (orjson.JSONDecodeError, AttributeError):
             asked = None
-        if isinstance(asked, int) and not isinstance(asked, bool):
-            band = max(band, asked)  # a client may lower its own requests, not raise them past its key
-        return key, label, band, weight
+        if isinstance(asked, int) and not isinstance(asked, bool) and asked > band:
+            band = min(asked, band + LOWER_BANDS)  # a client may lower its own requests, not raise them past its key
+        return label, band, weight
 
     @staticmethod
-    def _ended(flow: Flow) -> None:
-        flow.ended()
+    def _ended(flow: Flow, key: str) -> None:
+        flow.ended(key)
         flow.release()
         if flow.signal is None:  # else at each of its reads
             flow.report()
@@ -124,4 +135,4 @@ class FlowControl(Stage):
         turn, flow = ctx.turn, ctx.flow
         if turn is not None and turn.sent and flow is not None:
             turn.sent = False
-            self._ended(flow)
+            self._ended(flow, turn.flow_key)

@@ -42,6 +42,9 @@ class RequestLog(Stage):
         )
         if ctx.route is not None:
             fields.update(ctx.route.fields())
+        handed = ctx.handed
+        if handed is not None:  # the prefill/decode handoff
+            fields.update(prefill=handed.outcome, prefill_ms=ms(handed.took) if handed.started else None)
         turn = ctx.turn
         if turn is not None and turn.since:  # it waited for room (flow control)
             fields.update(queued_ms=ms(turn.waited), queue=turn.outcome, band=turn.band, queue_key=turn.key)

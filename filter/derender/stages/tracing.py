@@ -36,4 +36,12 @@ class Tracing(Stage):
                         "derender.queue.key": turn.key,
                     },
                 )
+            handed = ctx.handed
+            if handed is not None and handed.started:  # prefilled on a prefill replica first
+                ctx.trace.span_between(
+                    "prefill",
+                    handed.started,
+                    handed.started + handed.took,
+                    {"derender.prefill.outcome": handed.outcome, "derender.prefill.replica": handed.replica or ""},
+                )
             ctx.trace.end(ctx.report, ctx.route.fields() if ctx.route is not None else None)

@@ -160,8 +160,10 @@ class Connection(asyncio.Protocol):
             or the socket's writes are paused, the handler waits."""
             if call.ended:
                 raise ConnectionResetError("the ext_proc stream is closed")
-            if machine.send(stream_id, message.SerializeToString()):
-                self._pump()
+            if machine.send(stream_id, message.SerializeToString()):  # written: no event comes of a send
+                if not self.scheduled:
+                    self.scheduled = True
+                    loop.call_soon(self._flush_out)
             else:
                 call.drained = drained = loop.create_future()
                 self._pump()
