@@ -4,8 +4,8 @@
 
 A simulator scheduling as vLLM does (``--max-num-seqs 8``: eight sequences run, the rest wait in arrival
 order inside it), one event every 20 ms as a GPU decodes; the filter (one worker) and Envoy in front.
-Key A keeps ``--flood`` streams open (each re-sent as it ends); key B sends ``--chats`` chats one at a
-time. Reported: B's time to its first chunk alone (unloaded), and during A's flood with the filter's
+Key A keeps ``--flood`` streams open (each re-sent as it ends, or after what ``Retry-After`` says when
+refused, as the SDKs retry); key B sends ``--chats`` chats one at a time. Reported: B's time to its first chunk alone (unloaded), and during A's flood with the filter's
 flow control (``--replica-capacity 8``: the flood waits in the filter, fairly across keys) and without
 (the flood waits inside the producer, first come first served).
 """
@@ -30,6 +30,11 @@ DELAY = 0.02
 TOKENS = 100
 
 
+class Refused(Exception):
+    def __init__(self, retry_after: float) -> None:
+        self.retry_after = retry_after
+
+
 async def first_chunk(client: httpx.AsyncClient, key: str, max_tokens: int) -> float:
     body = {"model": "qwen3", "messages": [{"role": "user", "content": "hello"}], "stream": True,
             "max_tokens": max_tokens}
@@ -37,6 +42,9 @@ async def first_chunk(client: httpx.AsyncClient, key: str, max_tokens: int) -> f
     first = None
     async with client.stream("POST", "/v1/chat/completions", json=body,
                              headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:  # 429: as the SDKs do, wait what Retry-After says
+            await r.aread()
+            raise Refused(float(r.headers.get("retry-after") or 1))
         async for line in r.aiter_lines():
             if first is None and line.startswith("data:"):
                 first = time.monotonic() - began
@@ -54,8 +62,10 @@ async def measure(base: str, flood: int, chats: int) -> tuple[list[float], list[
             while not stop.is_set():
                 try:
                     await first_chunk(client, "key-a", TOKENS)
+                except Refused as refused:
+                    await asyncio.sleep(refused.retry_after)
                 except httpx.HTTPError:
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(1.0)
 
         tasks = [asyncio.create_task(flooding()) for _ in range(flood)]
         await asyncio.sleep(3.0)  # the flood in place: the producer full, the rest waiting

@@ -164,3 +164,43 @@ def test_a_dead_prefill_replica_is_passed_over(qwen3_dir, pd):
     finally:
         envoy.stop()
         flt.stop()
+
+
+def test_a_decode_replica_whose_kv_events_show_the_prompt_skips_the_prefill(qwen3_dir, pd):
+    """With kv-events routing, a decode replica that its own KV cache events show holding the prompt's
+    blocks (here: after the prompt was answered once) prefills the rest itself: no prefill call."""
+    from derender.ops import envoy_config
+    from test_kv_events import start_publishing_sim
+
+    from stack import start_cluster_envoy, wait_for
+
+    sim, url, pub, replay = start_publishing_sim(qwen3_dir, 4096, "--kv-role", "decode")
+    procs = [sim]
+    try:
+        metrics = free_port()
+        flt, port = start_filter(served(qwen3_dir, "--routing", "kv-events", "--kv-events", f"tcp://127.0.0.1:{pub}",
+                                        "--kv-events-replay", f"tcp://127.0.0.1:{replay}", "--kv-events-topic", "kv",
+                                        "--metrics-port", str(metrics), "--prefill", pd.prefill,
+                                        "--pd-min-prompt-tokens", "32"), url)
+        procs.append(flt)
+        envoy, base, _ = start_cluster_envoy(port, envoy_config.producer_cluster("producer", [url], "kv-events"), "pd")
+        procs.append(envoy)
+
+        def read() -> float:
+            text = http_get(f"http://127.0.0.1:{metrics}/metrics")[1].decode()
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("derender_kv_events_batches_total{")
+                       and ('outcome="received"' in line or 'outcome="replayed"' in line))
+
+        answered = sim_stats(pd.prefill)["kv_handoff"]["answered"]
+        wait_for(lambda: stream(base, "warm up") and True, "the gateway answering", 60)
+        first = stream(base, "kv " + LONG)  # prefilled on the prefill replica, then decoded
+        assert sim_stats(pd.prefill)["kv_handoff"]["answered"] == answered + 1
+        wait_for(lambda: read() >= sim_stats(url)["kv_event_batches"], "the filter has read the decode's events")
+        again = stream(base, "kv " + LONG)
+        assert again == first
+        assert sim_stats(pd.prefill)["kv_handoff"]["answered"] == answered + 1  # no second prefill
+        assert bodies(url)[-1]["kv_transfer_params"] is None
+    finally:
+        for proc in reversed(procs):
+            proc.stop()

@@ -10,7 +10,8 @@ HANDOFFS = Counter(
     "derender_prefill_handoffs",
     "Requests through the prefill/decode handoff, by outcome: remote (the decode took the prefill's KV), "
     "local (every prefill replica tried failed: the decode prefilled itself), short (under "
-    "--pd-min-prompt-tokens: decode alone), client (the client named its own kv_transfer_params)",
+    "--pd-min-prompt-tokens: decode alone), cached (routing knows the decode replica holds most of the prompt), "
+    "client (the client named its own kv_transfer_params)",
     ["outcome"],
     registry=REGISTRY,
 )

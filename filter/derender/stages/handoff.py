@@ -4,7 +4,8 @@ admit (after the decode replica is chosen): a prompt of at least ``--pd-min-prom
 prefilled on a prefill replica first, and the decode request carries that replica's
 ``kv_transfer_params``; should every prefill replica tried fail, the decode replica prefills itself.
 A client that leaves meanwhile cancels the prefill call, and nothing reaches a decode replica. A request
-that names its own ``kv_transfer_params`` is left as it is (the client runs its own handoff).
+that names its own ``kv_transfer_params`` is left as it is (the client runs its own handoff); one whose
+decode replica routing knows to hold most of its prompt's blocks (kv-events, precise) skips the prefill.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from ..ops import handoffmetrics
 from ..routing.handoff import Handed
 from .base import RequestContext, Stage
 
+CACHED_SHARE = 0.5  # a decode replica known to hold this share of the prompt's blocks prefills it itself
+
 
 class Handoffs(Stage):
     async def admit(self, ctx: RequestContext, rewrite: Rewrite) -> Reply | None:
@@ -23,8 +26,12 @@ class Handoffs(Stage):
         if handoff is None:
             return None
         prompt = rewrite.prompt_ids or []
+        route, balancer = ctx.route, ctx.balancer
+        cached = route.matched_blocks * balancer.prefix_key.hasher.block_size if route and balancer else 0
         if len(prompt) < handoff.spec.min_prompt_tokens:
             ctx.handed = Handed("short")
+        elif cached >= len(prompt) * CACHED_SHARE:  # kv-events / precise: the decode replica holds most of it
+            ctx.handed = Handed("cached")
         elif orjson.loads(rewrite.body).get("kv_transfer_params") is not None:
             ctx.handed = Handed("client")
         else:
