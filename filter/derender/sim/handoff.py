@@ -50,7 +50,7 @@ class KvHandoff:
         while self.held and (len(self.held) > MAX_HELD or next(iter(self.held.values()))[0] < now - HOLD_S):
             self.held.popitem(last=False)
         self.answered += 1
-        return {
+        return {  # the fields of vLLM 0.33's NixlConnector (pull mode), in its order
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": list(range((len(prompt) + self.block_size - 1) // self.block_size)),
@@ -59,6 +59,12 @@ class KvHandoff:
             "remote_host": self.host,
             "remote_port": self.port,
             "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(prompt),
+            "remote_blocks_expiry_time": time.perf_counter() + HOLD_S,
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
         }
 
     async def pulled(self, body: dict) -> bool:
