@@ -55,6 +55,9 @@ class Direct(Peer):
 
     def _collect(self) -> None:
         self.buffer += self.machine.data_to_send()
+        for stream_id, item in self.machine.handed:
+            self.events.append(events.Message(stream_id, item))
+        self.machine.handed.clear()
         machine_events = self.machine.events
         while machine_events:
             event = machine_events.popleft()

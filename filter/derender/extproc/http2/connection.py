@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from grpc.aio import EOF
 
-from .events import Close, Defended, Drained, Ended, Message, Opened
+from .events import Close, Defended, Drained, Ended, Opened
 from .handlers import METADATA, Handler, serve_handler
 from .machine import Machine
 
@@ -53,13 +53,16 @@ class Connection(asyncio.Protocol):
     def _pump(self) -> None:
         """Act on the machine's events; what it has to send leaves at the loop turn's end."""
         machine = self.machine
+        handed = machine.handed
+        if handed:  # the messages handed to waiting handlers (``events.Message``): one per token
+            for stream_id, item in handed:
+                self._message(stream_id, item)
+            handed.clear()
         events = machine.events
         while events:
             event = events.popleft()
             kind = type(event)
-            if kind is Message:
-                self._message(event)
-            elif kind is Drained:
+            if kind is Drained:
                 call = self.calls.get(event.stream_id)
                 if call is not None:
                     self._wake(call)
@@ -113,14 +116,14 @@ class Connection(asyncio.Protocol):
             del self.calls[call.id]
         self.machine.handler_done()
 
-    def _message(self, event: Message) -> None:
-        call = self.calls.get(event.stream_id)
+    def _message(self, stream_id: int, item: object) -> None:
+        call = self.calls.get(stream_id)
         waiter = call.waiter if call is not None else None
         if waiter is not None and not waiter.done():
             call.waiter = None  # type: ignore[union-attr]
-            waiter.set_result(event.item)
+            waiter.set_result(item)
         else:  # its read() was cancelled
-            self.machine.unread(event.stream_id, event.item)
+            self.machine.unread(stream_id, item)
 
     def _ended(self, stream_id: int) -> None:
         call = self.calls.get(stream_id)

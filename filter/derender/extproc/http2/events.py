@@ -1,5 +1,6 @@
 """What a connection's ``Machine`` tells the code that runs it: one small type per event, taken
-from ``Machine.events`` after each call into it (bytes to send are taken apart, ``Machine.data_to_send``).
+from ``Machine.events`` after each call into it (the messages handed to waiting handlers from
+``Machine.handed``, bytes to send from ``Machine.data_to_send``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ class Opened:
 class Message:
     """The next message of a stream whose handler waits to read (``Machine.read`` found none): its
     bytes, or ``EOF`` once the peer is done sending. A handler that no longer waits gives it back
-    (``Machine.unread``)."""
+    (``Machine.unread``). The machine hands these as plain ``(stream_id, item)`` pairs in
+    ``Machine.handed`` (one per token: no object each), before the other events of the same call."""
 
     stream_id: int
     item: object

@@ -9,11 +9,8 @@ inbox (or is still arriving) is reserved, and its bytes go back when the handler
 
 from __future__ import annotations
 
-from collections import deque
-
 from grpc.aio import EOF  # the same end-of-stream marker the servicer checks on both transports
 
-from .events import Message
 from .outbound import Outbound
 from .stream import Stream
 from .wire import INTERNAL_ERROR, RESOURCE_EXHAUSTED, UNIMPLEMENTED, WINDOW_UPDATE, Limits, frame
@@ -45,10 +42,12 @@ class Refused(Exception):
 class Inbound:
     """Messages in and the windows granted for them, of one connection."""
 
-    def __init__(self, limits: Limits, budget: Budget, outbound: Outbound, events: deque) -> None:
+    def __init__(self, limits: Limits, budget: Budget, outbound: Outbound) -> None:
         self.budget = budget
         self.outbound = outbound
-        self.events = events
+        # (stream id, message or EOF) handed to handlers waiting to read: ``Machine.handed``, the one
+        # event of every token, kept apart from ``Machine.events`` as plain pairs (no object per event)
+        self.handed: list[tuple[int, object]] = []
         self.stream_window = limits.stream_window
         self.recv_window = limits.connection_window  # what the peer may still send on the connection
         self.stream_half, self.connection_half = limits.stream_window // 2, limits.connection_window // 2
@@ -63,7 +62,7 @@ class Inbound:
             self.refuse(body[0], length)
         if stream.reading and not stream.inbox:  # handed at once: once per token
             stream.reading = False
-            self.events.append(Message(stream.id, body[5:]))
+            self.handed.append((stream.id, body[5:]))
             self.unacked += length + 5
             stream.unacked += length + 5
             if self.unacked >= self.connection_half or stream.unacked >= self.stream_half:
@@ -114,7 +113,7 @@ class Inbound:
         if not stream.reading or stream.inbox:
             return False
         stream.reading = False
-        self.events.append(Message(stream.id, item))
+        self.handed.append((stream.id, item))
         return True
 
     def read(self, stream: Stream) -> object | None:

@@ -95,7 +95,8 @@ class Machine:
         self.draining = draining  # the server stops: no new streams
         self.events: deque = deque()
         self.outbound = Outbound(limits)
-        self.inbound = Inbound(limits, budget, self.outbound, self.events)
+        self.inbound = Inbound(limits, budget, self.outbound)
+        self.handed = self.inbound.handed  # (stream id, message or EOF): ``events.Message``'s, as pairs
         self.headers = Gatherer(limits.max_header_list, limits.max_header_block, limits.max_continuations)
         self.buffer = bytearray()
         self.preface = False
