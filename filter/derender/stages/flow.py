@@ -13,14 +13,13 @@ next waiters with room go on.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 
 import orjson
 
 from ..exchange import Reply, Rewrite
 from ..ops import flowmetrics
-from ..ops.quota import Quotas
+from ..ops.quota import Quotas, api_key, digest
 from ..ops.quota.config import Key
 from ..routing.flow import Flow, Turn, Waiter
 from ..translate.errors import HTTPError
@@ -105,8 +104,8 @@ class FlowControl(Stage):
         if found is not None:
             assert quotas is not None
             return found[0], found[1], found[1] is not quotas.config.default
-        secret = ctx.headers.get("x-api-key") or ctx.headers.get("authorization", "")
-        return (hashlib.sha256(secret.encode()).hexdigest()[:16] if secret else ANONYMOUS), None, False
+        secret = api_key(ctx.headers)  # the key the budgets would count it under, by the same reading
+        return (digest(secret)[:16] if secret else ANONYMOUS), None, False
 
     @staticmethod
     def _place(found: tuple[str, Key | None, bool], rewrite: Rewrite) -> tuple[str, int, float]:

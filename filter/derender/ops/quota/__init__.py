@@ -14,7 +14,7 @@ from typing import Any
 
 from .account import Account, QuotaUnavailable, headers, refusal_message
 from .config import Key, Limits, QuotaConfig, QuotaConfigError, digest, load, parse
-from .store import STORE_ERRORS, Decision, Quotas, show
+from .store import STORE_ERRORS, Decision, Quotas, api_key, show
 
 
 def configured(settings: Any) -> Quotas | None:
@@ -34,6 +34,7 @@ __all__ = [
     "QuotaConfigError",
     "QuotaUnavailable",
     "Quotas",
+    "api_key",
     "configured",
     "digest",
     "headers",

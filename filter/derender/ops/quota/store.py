@@ -204,6 +204,13 @@ class Connection:
 _CLOSING: set[asyncio.Task] = set()  # retired clients being closed (a reference keeps each task alive)
 
 
+def api_key(headers: dict[str, str]) -> str:
+    """A request's API key: its ``Authorization: Bearer`` key, else its ``x-api-key`` ("" if neither)."""
+    auth = headers.get("authorization", "")
+    bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    return bearer or headers.get("x-api-key") or ""
+
+
 class Quotas:
     """The quota file's keys and the Redis that holds their counts (one client per worker)."""
 
@@ -224,10 +231,7 @@ class Quotas:
     def key_for(self, headers: dict[str, str]) -> tuple[str, Key] | None:
         """(the id its counters are kept under, the key's entry) for a request's API key, or None when
         no limits apply to it."""
-        secret = headers.get("x-api-key") or ""
-        auth = headers.get("authorization", "")
-        if auth[:7].lower() == "bearer ":
-            secret = auth[7:].strip() or secret
+        secret = api_key(headers)
         if not secret:
             return None
         hashed = digest(secret)
