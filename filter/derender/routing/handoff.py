@@ -58,7 +58,7 @@ class Handed:
     replica: str | None = None
     started: float = 0.0  # monotonic
     took: float = 0.0  # seconds
-    tries: list[str] = field(default_factory=list)  # why each failed try failed
+    tries: list[tuple[str, str]] = field(default_factory=list)  # (replica, why) of each failed try
 
 
 def usable(params: Any) -> bool:
@@ -87,36 +87,36 @@ class Handoff:
         key = b"".join(t.to_bytes(4, "little") for t in prompt_ids[:KEY_TOKENS])
         return sorted(self.replicas, key=lambda url: hashlib.blake2b(url.encode() + key, digest_size=8).digest())
 
-    def prefill_body(self, body: bytes) -> bytes:
+    @staticmethod
+    def prefill_body(request: dict) -> bytes:
         """The generate request for the prefill replica: one token, not streamed, asking for a remote decode."""
-        request = orjson.loads(body)
-        request["stream"] = False
-        request.pop("stream_options", None)
-        sampling = dict(request.get("sampling_params") or {})
-        sampling.update(max_tokens=1, min_tokens=0, n=1)
-        request["sampling_params"] = sampling
-        request["kv_transfer_params"] = dict(ASK)
-        return orjson.dumps(request)
+        sent = {k: v for k, v in request.items() if k != "stream_options"}
+        sent["stream"] = False
+        sent["sampling_params"] = {**(request.get("sampling_params") or {}), "max_tokens": 1, "min_tokens": 0, "n": 1}
+        sent["kv_transfer_params"] = dict(ASK)
+        return orjson.dumps(sent)
 
-    async def prefill(self, body: bytes, prompt_ids: list[int], headers: dict[str, str]) -> tuple[bytes, Handed]:
-        """The decode request's body (with the prefill's params, or as it was) and what happened."""
+    async def prefill(
+        self, body: bytes, request: dict, prompt_ids: list[int], headers: dict[str, str]
+    ) -> tuple[bytes, Handed]:
+        """The decode request's body (``request`` with the prefill's params, or ``body`` as it was) and
+        what happened; ``request`` is ``body`` parsed, once, by the caller (a long prompt is long)."""
         began = time.monotonic()
         handed = Handed("local", started=began)
-        sent = self.prefill_body(body)
+        sent = self.prefill_body(request)
         for url in self.order(prompt_ids)[:2]:
             try:
                 params = await asyncio.wait_for(self._call(url, sent, headers), self.spec.timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
-                handed.tries.append(f"{url}: {type(exc).__name__}: {exc}"[:300])
+                handed.tries.append((url, f"{type(exc).__name__}: {exc}"[:300]))
                 continue
-            request = orjson.loads(body)
-            request["kv_transfer_params"] = params
             handed.outcome, handed.replica = "remote", url
             handed.took = time.monotonic() - began
-            return orjson.dumps(request), handed
+            return orjson.dumps({**request, "kv_transfer_params": params}), handed
         handed.took = time.monotonic() - began
         log.warning(
-            "prefill failed on every replica tried (%s): the decode replica prefills itself", "; ".join(handed.tries)
+            "prefill failed on every replica tried (%s): the decode replica prefills itself",
+            "; ".join(f"{url}: {why}" for url, why in handed.tries),
         )
         return body, handed
 

@@ -32,16 +32,16 @@ class Handoffs(Stage):
             ctx.handed = Handed("short")
         elif cached >= len(prompt) * CACHED_SHARE:  # kv-events / precise: the decode replica holds most of it
             ctx.handed = Handed("cached")
-        elif orjson.loads(rewrite.body).get("kv_transfer_params") is not None:
+        elif (request := orjson.loads(rewrite.body)).get("kv_transfer_params") is not None:
             ctx.handed = Handed("client")
         else:
             headers = {"content-type": "application/json"}
             if ctx.x_request_id:
                 headers["x-request-id"] = ctx.x_request_id
-            rewrite.body, handed = await handoff.prefill(rewrite.body, prompt, headers)
+            rewrite.body, handed = await handoff.prefill(rewrite.body, request, prompt, headers)
             ctx.handed = handed
-            for tried in handed.tries:
-                handoffmetrics.PREFILL_ERRORS.labels(tried.split(": ", 1)[0]).inc()
+            for replica, _ in handed.tries:
+                handoffmetrics.PREFILL_ERRORS.labels(replica).inc()
             handoffmetrics.PREFILL_SECONDS.labels(handed.outcome).observe(handed.took)
         handoffmetrics.HANDOFFS.labels(ctx.handed.outcome).inc()
         return None
