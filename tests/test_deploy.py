@@ -13,6 +13,7 @@ command lines inside them are parsed by the parsers of the programs they start
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import os
@@ -572,3 +573,48 @@ def test_k8s_gateways_envoy_traces_to_the_collector_the_filter_sends_to(k8s):
     env = {e["name"]: e.get("value") for e in container["env"]}
     host, port = envoy_config.split_url(env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"])
     assert (host, port) == (backend["name"], backend["port"]) == ("otel-collector", 4317)
+
+
+@pytest.mark.parametrize("profiles, prefill", [(("cpu", "pd"), "prefill"), (("gpu", "pd-gpu"), "vllm-prefill")])
+def test_compose_prefill_profile_adds_a_prefill_producer_the_filter_hands_long_prompts_to(docker_env, profiles, prefill):
+    from derender.sim import add_arguments
+
+    services = compose_config(docker_env, *profiles, PREFILL="1")["services"]
+    producer = "sim" if "cpu" in profiles else "vllm"
+    assert set(services) == {"envoy", "filter", producer, prefill, "responses-store"}
+    args = build_parser().parse_args(services["filter"]["command"])
+    assert (args.producer, args.prefill) == ("http://producer:8000", "http://prefill:8000")
+    assert services["filter"]["depends_on"][prefill]["condition"] == "service_healthy"
+    # The prefill producer answers at the name the filter calls, off the ext_proc network, and its params
+    # name that host (vLLM's NIXL side channel host) for the decode producer to reach.
+    assert "prefill" in (services[prefill]["networks"]["default"] or {}).get("aliases", ["prefill"])
+    assert "extproc" not in services[prefill]["networks"]
+    assert services[prefill]["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "prefill"
+    if prefill == "prefill":
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        sim_args = parser.parse_args(services[prefill]["command"][1:])
+        assert (sim_args.kv_role, sim_args.port) == ("prefill", 8000)
+    else:
+        assert '"kv_connector":"NixlConnector"' in " ".join(services[prefill]["command"])
+    # Without PREFILL the filter runs no handoff, the prefill service idle or absent.
+    plain = compose_config(docker_env, *profiles)["services"]["filter"]["command"]
+    assert build_parser().parse_args(plain).prefill in (None, "")
+
+
+def test_k8s_prefill_pods_are_what_the_filters_commented_prefill_flag_names(k8s):
+    """prefill.yaml: vLLM prefill pods with the NIXL connector, naming their own pod IP for the decode
+    pods to pull from; filter.yaml's commented --prefill and vllm.yaml's commented connector fit them."""
+    service, port, deployment = _service_backend(k8s, {"name": "vllm-prefill", "port": 8000})
+    args = _container_args(deployment)
+    config = json.loads(next(a for a in args if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+    assert config["kv_connector"] == "NixlConnector" and "--enable-scale-out" in args
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    [host] = [e for e in container["env"] if e["name"] == "VLLM_NIXL_SIDE_CHANNEL_HOST"]
+    assert host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    commented = re.findall(r"#\s*- (--prefill=\S+)", (K8S / "filter.yaml").read_text())
+    [flag] = commented
+    filter_args = build_parser().parse_args(["serve", "--model", "m", "--producer", "http://vllm:8000", flag])
+    assert filter_args.prefill == f"http://{service['metadata']['name']}:{port['port']}"
+    decode = re.findall(r"#\s*- '(--kv-transfer-config=\S+)'", (K8S / "vllm.yaml").read_text())
+    assert [json.loads(d.split("=", 1)[1]) for d in decode] == [config]

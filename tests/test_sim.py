@@ -617,3 +617,73 @@ def test_lockstep_steps_every_request_at_once(vllm):
     assert wait >= delay  # its own timer: a whole delay before its first event
     wait, gap = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
     assert wait < 0.75 * delay and gap < delay / 8, (wait, gap)  # the shared step, half a step away
+
+
+def test_prefill_chunks_share_the_decode_steps_and_stretch_them(monkeypatch):
+    """--max-num-batched-tokens (vLLM's chunked prefill): each step computes one token per decoding
+    sequence and a chunk of the waiting prompts with the rest of the budget, first come first served;
+    a step lasts the decode step plus its prompt tokens' time. The steps' sleeps are recorded, not slept."""
+    from derender.sim import engine as engine_module
+
+    slept = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(seconds, *args):  # a step's time passes: every woken task has run on
+        slept.append(round(seconds, 6))
+        for _ in range(20):
+            await real_sleep(0)
+
+    async def go():
+        engine = engine_module.Engine(100, 1000.0)  # 100 tokens a step, 1 ms per prompt token
+        done = []
+
+        async def decode(name):
+            with engine.running(1):
+                for _ in range(6):
+                    await engine.step(1, 0.01)
+            done.append(name)
+
+        async def prefill(name, tokens):
+            await engine.prefill(tokens, 0.01)
+            done.append((name, engine.done))
+
+        await asyncio.gather(decode("a"), decode("b"), prefill("p", 250), prefill("q", 30))
+        return engine, done
+
+    monkeypatch.setattr(engine_module.asyncio, "sleep", recorded)
+    engine, done = asyncio.run(go())
+    monkeypatch.setattr(engine_module.asyncio, "sleep", real_sleep)
+    # Two sequences decode: 98 prompt tokens a step; p's 250 take three steps (98, 98, 54), q's 30 share
+    # the third (54 + 30 = 84), then the steps are the decode step alone.
+    assert slept == [0.108, 0.108, 0.094, 0.01, 0.01, 0.01]
+    assert ("p", 3) in done and ("q", 3) in done and done[-2:] == ["a", "b"]
+    assert engine.stats() == {"budget": 100, "steps": 6, "prefill_steps": 3, "prompt_tokens": 280,
+                              "prefill_seconds": 0.28, "waiting_prompts": 0}
+
+
+def test_a_prompt_whose_client_left_is_no_longer_prefilled(monkeypatch):
+    from derender.sim import engine as engine_module
+
+    slept = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(seconds, *args):  # a step's time passes: every woken task has run on
+        slept.append(round(seconds, 6))
+        for _ in range(20):
+            await real_sleep(0)
+
+    async def go():
+        engine = engine_module.Engine(100, 1000.0)
+        task = asyncio.ensure_future(engine.prefill(1000, 0.0))
+        await real_sleep(0)
+        await real_sleep(0)  # the first chunk's step is under way
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.step(2, 0.0)  # the step under way, then one more
+        return engine
+
+    monkeypatch.setattr(engine_module.asyncio, "sleep", recorded)
+    engine = asyncio.run(go())
+    monkeypatch.setattr(engine_module.asyncio, "sleep", real_sleep)
+    # The chunk under way when the client left is computed; the next step has none of that prompt.
+    assert slept == [0.1, 0.0] and engine.prompt_tokens == 100 and engine.stats()["waiting_prompts"] == 0

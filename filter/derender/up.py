@@ -286,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
         )
         envoy.wait(lambda: http_ok(f"http://127.0.0.1:{args.port}/health"), 30)
         where = f"producer {producer}" if len(urls) == 1 else f"{len(urls)} producer replicas, {args.routing} routing"
+        if getattr(args, "prefill", None):
+            where += f", prefill {args.prefill}"
         print(f"derender: OpenAI endpoint ready at http://127.0.0.1:{args.port}/v1 ({where})", flush=True)
         while True:
             problem = stack.failed()

@@ -73,6 +73,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(one prompt at a time, as one GPU prefills)",
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="prefill in chunks inside the decode steps, as vLLM's chunked prefill (vLLM's flag: the tokens one "
+        "step computes, one per decoding sequence and the rest prompt chunks): a step lasts --delay plus its "
+        "prompt tokens times --prefill-us-per-token, so prefills slow the streams decoding beside them "
+        "(0: prefill beside the steps, never slowing them)",
+    )
+    parser.add_argument(
+        "--kv-transfer-us-per-token",
+        type=float,
+        default=0.0,
+        help="--kv-role decode: a request whose KV it pulled from a prefill producer waits this long per prompt "
+        "token for the transfer (no step slowed)",
+    )
+    parser.add_argument(
         "--max-num-seqs",
         type=int,
         default=0,
@@ -124,6 +140,8 @@ def main(args: argparse.Namespace) -> int:
         lora_modules=args.lora_modules,
         max_num_seqs=args.max_num_seqs,
         kv_role=args.kv_role,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_transfer_us_per_token=args.kv_transfer_us_per_token,
         address=(args.host, args.port),
     )
     try:

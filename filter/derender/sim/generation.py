@@ -59,6 +59,7 @@ class _Generation:
     hold_after: int | str | None = None  # N events, or "end": after the last, before [DONE]
     released: asyncio.Event = field(default_factory=asyncio.Event)
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    prefilled: bool = False  # its prompt computed in the engine's steps (--max-num-batched-tokens)
 
     def closed(self) -> bool:
         transport = self.request.transport

@@ -13,6 +13,8 @@ decode skips its modelled prefill; otherwise it prefills itself, as vLLM's conne
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from collections import OrderedDict
 
@@ -24,11 +26,21 @@ HOLD_S = 60.0  # a prefill's blocks wait this long for their decode (vLLM's abor
 MAX_HELD = 4096
 
 
+def advertised(host: str) -> str:
+    """The host a prefill's params name for its blocks: vLLM's NIXL side channel host
+    (``VLLM_NIXL_SIDE_CHANNEL_HOST``) if set, else the address bound, else (bound to every address, as
+    in a container) this machine's name, which its peers resolve."""
+    named = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+    if named:
+        return named
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
 class KvHandoff:
     def __init__(self, role: str = "both", host: str = "127.0.0.1", port: int = 0, block_size: int = 16) -> None:
         if role not in ROLES:
             raise ValueError(f"--kv-role is one of {', '.join(ROLES)}")
-        self.role, self.host, self.port, self.block_size = role, host, port, block_size
+        self.role, self.host, self.port, self.block_size = role, advertised(host), port, block_size
         self.held: OrderedDict[str, tuple[float, list[int]]] = OrderedDict()  # request id -> (when, prompt)
         self.answered = 0  # prefill answers that named their blocks
         self.remote_prefills = 0  # decodes whose KV came from a prefill producer

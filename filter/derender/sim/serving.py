@@ -131,14 +131,26 @@ class Serving(SimulatorState):
         self.cached_prompt_tokens += gen.cached_tokens
         try:
             pulled = await self.handoff.pulled(body)  # a decode whose KV a prefill producer computed
-            if self.prefill_us_per_token and not pulled:  # prefill: the tokens not found in the cache, one prompt
-                arrived = time.monotonic()  # at a time (one GPU's prefill throughput: a queue forms)
+            missing = len(prompt) - gen.cached_tokens
+            if pulled:  # the transfer of the blocks not cached here: the request waits for them, no step slowed
+                await asyncio.sleep(missing * self.kv_transfer_us_per_token / 1e6)
+            elif self.engine is not None and self.prefill_us_per_token:  # chunks inside the decode steps
+                arrived = time.monotonic()
+                await self.engine.prefill(missing, self.delay)
+                gen.prefilled = missing > 0
+                self.prefill_waits.append(time.monotonic() - arrived)
+            elif self.prefill_us_per_token:  # prefill: the tokens not found in the cache, one
+                arrived = time.monotonic()  # prompt at a time (one GPU's prefill throughput: a queue forms)
                 async with self._prefill:
-                    await asyncio.sleep((len(prompt) - gen.cached_tokens) * self.prefill_us_per_token / 1e6)
+                    await asyncio.sleep(missing * self.prefill_us_per_token / 1e6)
                 # The modelled time to first token: the queue and the prefill, nothing of this machine's.
                 self.prefill_waits.append(time.monotonic() - arrived)
             self.cache.store(prompt, salt, media, lora)  # prefilled: the prompt's blocks are cached (and published)
-            return await (self._stream if body.get("stream") else self._full)(gen, body)
+            answer = self._stream if body.get("stream") else self._full
+            if self.engine is None:
+                return await answer(gen, body)
+            with self.engine.running(len(gen.choices)):  # its tokens take room in every step's budget
+                return await answer(gen, body)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a lost client
             self.disconnected.append(gen.engine_id)
             raise
@@ -364,6 +376,7 @@ class Serving(SimulatorState):
                 "kv_event_batches": self.cache.events.published if self.cache.events is not None else 0,
                 "scheduler": self.scheduler.stats(),
                 "kv_handoff": self.handoff.stats(),
+                "engine": self.engine.stats() if self.engine is not None else None,
             }
         )
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from .cache import PrefixCache
+from .engine import Engine
 from .generation import StepClock, _Choice, _Died, _Disconnected, _Generation, _stream_interval
 from .handoff import KvHandoff
 from .kvevents import KvEvents
@@ -45,6 +46,8 @@ class Simulator(Serving):
         max_num_seqs: int = 0,
         kv_role: str = "both",
         address: tuple[str, int] = ("127.0.0.1", 0),
+        max_num_batched_tokens: int = 0,
+        kv_transfer_us_per_token: float = 0.0,
     ):
         if mode not in ("echo", "script") or (mode == "script" and not script):
             raise ValueError("mode must be 'echo' or 'script' (script needs a JSONL file)")
@@ -99,6 +102,9 @@ class Simulator(Serving):
         self.scheduler = Scheduler(max_num_seqs)
         self.handoff = KvHandoff(kv_role, *address, block_size=self.cache.block_size)
         self._prefill = asyncio.Lock()
+        # --max-num-batched-tokens: prefill in chunks inside the decode steps (engine.py), slowing them.
+        self.engine = Engine(max_num_batched_tokens, prefill_us_per_token) if max_num_batched_tokens else None
+        self.kv_transfer_us_per_token = kv_transfer_us_per_token
         self.prompt_tokens_details = prompt_tokens_details
 
     def configure(
@@ -264,7 +270,10 @@ class Simulator(Serving):
         for count, (c, start, end, final, wait) in enumerate(schedule):
             if count == gen.hold_after:
                 await self._hold(gen)
-            if self.delay > 0 and self.lockstep:
+            if self.delay > 0 and self.engine is not None:
+                if not (count == 0 and gen.prefilled):  # a prefill's last step samples the first token
+                    await self.engine.step(wait, self.delay)  # the step's prefill chunks stretch it
+            elif self.delay > 0 and self.lockstep:
                 await self.clock.wait(wait, self.delay)  # an abort is seen at the step
             elif self.delay > 0:
                 try:

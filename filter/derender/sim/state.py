@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .cache import PrefixCache
+    from .engine import Engine
     from .generation import _Choice, _Generation
     from .handoff import KvHandoff
     from .scheduler import Scheduler
@@ -35,6 +36,9 @@ class SimulatorState:
     loras: dict[str, tuple[str, str, int]]  # --lora-modules: name -> (name, path, vLLM's id)
     prefill_us_per_token: float
     _prefill: asyncio.Lock
+    engine: Engine | None  # --max-num-batched-tokens
+    kv_transfer_us_per_token: float
+    delay: float
     http_error: int | None
     fault: str | None
     fault_after: int
