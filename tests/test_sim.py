@@ -619,19 +619,29 @@ def test_lockstep_steps_every_request_at_once(vllm):
     assert wait < 0.75 * delay and gap < delay / 8, (wait, gap)  # the shared step, half a step away
 
 
-def test_prefill_chunks_share_the_decode_steps_and_stretch_them(monkeypatch):
-    """--max-num-batched-tokens (vLLM's chunked prefill): each step computes one token per decoding
-    sequence and a chunk of the waiting prompts with the rest of the budget, first come first served;
-    a step lasts the decode step plus its prompt tokens' time. The steps' sleeps are recorded, not slept."""
+@pytest.fixture
+def engine_steps(monkeypatch):
+    """The simulator's engine module with its steps' sleeps recorded, not slept (each lets every woken
+    task run on, as a step's time would): (module, the seconds asked in order, the real sleep)."""
     from derender.sim import engine as engine_module
 
     slept = []
     real_sleep = asyncio.sleep
 
-    async def recorded(seconds, *args):  # a step's time passes: every woken task has run on
+    async def recorded(seconds, *args):
         slept.append(round(seconds, 6))
         for _ in range(20):
             await real_sleep(0)
+
+    monkeypatch.setattr(engine_module.asyncio, "sleep", recorded)
+    return engine_module, slept, real_sleep
+
+
+def test_prefill_chunks_share_the_decode_steps_and_stretch_them(engine_steps):
+    """--max-num-batched-tokens (vLLM's chunked prefill): each step computes one token per decoding
+    sequence and a chunk of the waiting prompts with the rest of the budget, first come first served;
+    a step lasts the decode step plus its prompt tokens' time. The steps' sleeps are recorded, not slept."""
+    engine_module, slept, real_sleep = engine_steps
 
     async def go():
         engine = engine_module.Engine(100, 1000.0)  # 100 tokens a step, 1 ms per prompt token
@@ -650,9 +660,7 @@ def test_prefill_chunks_share_the_decode_steps_and_stretch_them(monkeypatch):
         await asyncio.gather(decode("a"), decode("b"), prefill("p", 250), prefill("q", 30))
         return engine, done
 
-    monkeypatch.setattr(engine_module.asyncio, "sleep", recorded)
     engine, done = asyncio.run(go())
-    monkeypatch.setattr(engine_module.asyncio, "sleep", real_sleep)
     # Two sequences decode: 98 prompt tokens a step; p's 250 take three steps (98, 98, 54), q's 30 share
     # the third (54 + 30 = 84), then the steps are the decode step alone.
     assert slept == [0.108, 0.108, 0.094, 0.01, 0.01, 0.01]
@@ -661,16 +669,8 @@ def test_prefill_chunks_share_the_decode_steps_and_stretch_them(monkeypatch):
                               "prefill_seconds": 0.28, "waiting_prompts": 0}
 
 
-def test_a_prompt_whose_client_left_is_no_longer_prefilled(monkeypatch):
-    from derender.sim import engine as engine_module
-
-    slept = []
-    real_sleep = asyncio.sleep
-
-    async def recorded(seconds, *args):  # a step's time passes: every woken task has run on
-        slept.append(round(seconds, 6))
-        for _ in range(20):
-            await real_sleep(0)
+def test_a_prompt_whose_client_left_is_no_longer_prefilled(engine_steps):
+    engine_module, slept, real_sleep = engine_steps
 
     async def go():
         engine = engine_module.Engine(100, 1000.0)
@@ -682,8 +682,6 @@ def test_a_prompt_whose_client_left_is_no_longer_prefilled(monkeypatch):
         await engine.step(2, 0.0)  # the step under way, then one more
         return engine
 
-    monkeypatch.setattr(engine_module.asyncio, "sleep", recorded)
     engine = asyncio.run(go())
-    monkeypatch.setattr(engine_module.asyncio, "sleep", real_sleep)
     # The chunk under way when the client left is computed; the next step has none of that prompt.
     assert slept == [0.1, 0.0] and engine.prompt_tokens == 100 and engine.stats()["waiting_prompts"] == 0
