@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -136,16 +134,6 @@ async def drive(url: str, args: argparse.Namespace, words: list[str]) -> dict:
     return {"gaps": gaps, "long_ttft": long_ttft, "stream_ttft": stream_ttft, "failures": failures}
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def layout(name: str, args: argparse.Namespace, words: list[str]) -> dict:
     port = procs.free_port()
     argv = [procs.PYTHON, "-m", "derender.cli", "up", "--port", str(port), *LAYOUTS[name],
@@ -160,12 +148,12 @@ def layout(name: str, args: argparse.Namespace, words: list[str]) -> dict:
         began = time.monotonic()
         result = asyncio.run(drive(f"http://127.0.0.1:{port}/v1/chat/completions", args, words))
         result["wall"] = time.monotonic() - began
-        result["replicas"] = {u: get(u + "/sim/stats") for u in dict.fromkeys(sims)}
+        result["replicas"] = {u: procs.get_json(u + "/sim/stats") for u in dict.fromkeys(sims)}
     finally:
         up.stop()
     gaps, long_ttft = result["gaps"], result["long_ttft"]
-    print(f"[{name}] ITL p50 {pct(gaps, 0.5) * 1e3:.0f} ms p99 {pct(gaps, 0.99) * 1e3:.0f} ms, long-prompt TTFT "
-          f"p50 {pct(long_ttft, 0.5) * 1e3:.0f} ms p99 {pct(long_ttft, 0.99) * 1e3:.0f} ms ({len(long_ttft)}), "
+    print(f"[{name}] ITL p50 {procs.pct(gaps, 0.5) * 1e3:.0f} ms p99 {procs.pct(gaps, 0.99) * 1e3:.0f} ms, long-prompt TTFT "
+          f"p50 {procs.pct(long_ttft, 0.5) * 1e3:.0f} ms p99 {procs.pct(long_ttft, 0.99) * 1e3:.0f} ms ({len(long_ttft)}), "
           f"failures {len(result['failures'])}", file=sys.stderr, flush=True)
     return result
 
@@ -194,8 +182,8 @@ def report(args: argparse.Namespace, results: dict) -> list[str]:
             for s in r["replicas"].values()
         )
         lines.append(
-            f"| {name} | {pct(g, 0.5) * 1e3:.0f} | {pct(g, 0.99) * 1e3:.0f} | {max(g) * 1e3 if g else float('nan'):.0f} | "
-            f"{pct(t, 0.5) * 1e3:.0f} | {pct(t, 0.99) * 1e3:.0f} | {len(t)} | "
+            f"| {name} | {procs.pct(g, 0.5) * 1e3:.0f} | {procs.pct(g, 0.99) * 1e3:.0f} | {max(g) * 1e3 if g else float('nan'):.0f} | "
+            f"{procs.pct(t, 0.5) * 1e3:.0f} | {procs.pct(t, 0.99) * 1e3:.0f} | {len(t)} | "
             f"{statistics.median(r['stream_ttft']) * 1e3 if r['stream_ttft'] else float('nan'):.0f} | {steps} | "
             f"{len(r['failures'])} |"
         )
@@ -240,7 +228,7 @@ def hop(args: argparse.Namespace) -> list[str]:
             envoy_cpu = procs.cpu_of(envoy.proc.tree()[0])
             took = asyncio.run(calls(base + "/inference/v1/generate", body, args.hop_calls))
             spent = (procs.cpu_of(envoy.proc.tree()[0]) - envoy_cpu) / (args.hop_calls + 20)
-            rows.append(f"| {name} | {pct(took, 0.5) * 1e3:.2f} | {pct(took, 0.99) * 1e3:.2f} | {spent * 1e6:.0f} |")
+            rows.append(f"| {name} | {procs.pct(took, 0.5) * 1e3:.2f} | {procs.pct(took, 0.99) * 1e3:.2f} | {spent * 1e6:.0f} |")
     finally:
         for proc in reversed(started):
             proc.stop()

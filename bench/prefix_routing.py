@@ -30,7 +30,6 @@ import re
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -117,16 +116,6 @@ async def drive(url: str, conversations: list[dict], concurrency: int) -> tuple[
         return ttfts, failures, time.monotonic() - start
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if v == v)
-    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
-
-
 def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> dict:
     port = procs.free_port()
     routing, workers, replicas, more = MODES[mode]
@@ -143,7 +132,7 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
         line = re.search(r"producer (http://\S+)", up.log.read_text(errors="replace"))
         sims = line.group(1).split(",") if line else []
         ttfts, failures, wall = asyncio.run(drive(f"http://127.0.0.1:{port}/v1/chat/completions", conversations, args.concurrency))
-        stats = [get(u + "/sim/stats") for u in sims]
+        stats = [procs.get_json(u + "/sim/stats") for u in sims]
         log = up.log.read_text(errors="replace")
     finally:
         up.stop()
@@ -161,13 +150,13 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": cached / prompt if prompt else float("nan"),
-        "client_ttft_p50": pct(ttfts, 0.5),
-        "client_ttft_p99": pct(ttfts, 0.99),
-        "ttft_p50": pct([w for s in stats for w in s["prefill_waits"]], 0.5),
-        "ttft_p99": pct([w for s in stats for w in s["prefill_waits"]], 0.99),
+        "client_ttft_p50": procs.pct(ttfts, 0.5),
+        "client_ttft_p99": procs.pct(ttfts, 0.99),
+        "ttft_p50": procs.pct([w for s in stats for w in s["prefill_waits"]], 0.5),
+        "ttft_p99": procs.pct([w for s in stats for w in s["prefill_waits"]], 0.99),
         "routing_us_mean": statistics.mean(routing_us) if routing_us else None,
-        "routing_us_p50": pct(routing_us, 0.5) if routing_us else None,
-        "routing_us_p99": pct(routing_us, 0.99) if routing_us else None,
+        "routing_us_p50": procs.pct(routing_us, 0.5) if routing_us else None,
+        "routing_us_p99": procs.pct(routing_us, 0.99) if routing_us else None,
     }
     print(f"[{mode}] hit rate {out['hit_rate'] * 100:.1f} %, TTFT p50 {out['ttft_p50'] * 1e3:.0f} ms, "
           f"p99 {out['ttft_p99'] * 1e3:.0f} ms (client {out['client_ttft_p50'] * 1e3:.0f} / "

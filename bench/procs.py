@@ -201,3 +201,15 @@ def post(url: str, body: dict) -> None:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as r:
         r.read()
+
+
+def get_json(url: str) -> dict:
+    """GET ``url``'s JSON (the simulator's ``/sim/stats``)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (NaNs left out; NaN when none are left)."""
+    values = sorted(v for v in values if v == v)
+    return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
