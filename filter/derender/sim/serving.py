@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from contextlib import nullcontext
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -147,9 +148,8 @@ class Serving(SimulatorState):
                 self.prefill_waits.append(time.monotonic() - arrived)
             self.cache.store(prompt, salt, media, lora)  # prefilled: the prompt's blocks are cached (and published)
             answer = self._stream if body.get("stream") else self._full
-            if self.engine is None:
-                return await answer(gen, body)
-            with self.engine.running(len(gen.choices)):  # its tokens take room in every step's budget
+            # --max-num-batched-tokens: its tokens take room in every step's budget while it decodes.
+            with self.engine.running(len(gen.choices)) if self.engine is not None else nullcontext():
                 return await answer(gen, body)
         except asyncio.CancelledError:  # aiohttp cancels the handler of a lost client
             self.disconnected.append(gen.engine_id)
