@@ -66,8 +66,8 @@ def pytest_configure_node(node):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """The controller: a worker has collected the suite; the real engines start now, if it has their file."""
-    if len(ids) > 300 and any("test_real_vllm.py::" in i for i in ids):
-        real_engines.prestart()
+    if len(ids) > 300:
+        real_engines.prestart(real_engines.kinds_of(ids))
 
 
 # -- the fork server of ``derender`` processes (``tests/forkserver.py``). For the suite (or most of it)
@@ -77,8 +77,8 @@ def pytest_collection_finish(session):
     if len(session.items) > 300:  # a suite run: what is slow to start, started now
         stack.start_forkserver()
         worker = hasattr(session.config, "workerinput")  # with workers, the controller starts the engines
-        if not worker and any(item.path.name == "test_real_vllm.py" for item in session.items):
-            real_engines.prestart()
+        if not worker:
+            real_engines.prestart(real_engines.kinds_of(str(item.path) for item in session.items))
 
 
 def pytest_sessionfinish(session, exitstatus):

