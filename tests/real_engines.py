@@ -145,8 +145,10 @@ def environment(kind: str, venv: Path) -> dict[str, str]:
     which a decode engine asks the prefill engine for its KV's layout (a port of its own)."""
     if kind not in PAIR:
         return {}
+    # UCX_RCACHE_MAX_UNRELEASED: what vLLM sets before it imports NIXL, which the folder's sitecustomize
+    # (the agents without their busy progress thread) imports first.
     return {"PYTHONPATH": str(venv / "nixl"), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "UCX_RCACHE_MAX_UNRELEASED": "1024"}
 
 
 class Engine:

@@ -49,4 +49,6 @@ if [ ! -f "$NIXL_STAMP" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps --require-hashes --target "$NIXL" -r "$ROOT/requirements/nixl.txt"
     touch "$NIXL_STAMP"
 fi
+cmp -s "$ROOT/tests/real_vllm/nixl_sitecustomize.py" "$NIXL/sitecustomize.py" ||
+    cp "$ROOT/tests/real_vllm/nixl_sitecustomize.py" "$NIXL/sitecustomize.py"
 echo "$VENV"
