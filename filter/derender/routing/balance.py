@@ -168,7 +168,10 @@ class Balancer:
             decision.why = "key"
             return
         in_flight = self.in_flight
-        best = min(depth, key=lambda r: (-depth[r], in_flight.get(r, 0), tie(key, r)))
+        order = {r: (-d, in_flight.get(r, 0)) for r, d in depth.items()}
+        best = min(order, key=order.__getitem__)
+        if sum(1 for o in order.values() if o == order[best]) > 1:  # a tie: the same order in every process
+            best = min(order, key=lambda r: (*order[r], tie(key, r)))
         if self._over_bound(best):
             decision.why = "bound"
             return

@@ -124,26 +124,39 @@ class KvIndex:
                 predicted.setdefault(block, {})[replica] = until
 
     def match(self, chain: Sequence[int], now: float) -> dict[str, int]:
-        """Each replica holding a leading run of ``chain``: the run's length in blocks."""
+        """Each replica holding a leading run of ``chain``: the run's length in blocks. A replica's
+        depth is written once, where its run ends (the walk keeps the bits of the replicas still
+        matching, and stops when none is)."""
         depth: dict[str, int] = {}
         alive = -1
-        holders, predicted, names = self.holders, self.predicted, self.names
-        for i, block in enumerate(chain):
+        holders, predicted = self.holders, self.predicted
+        n = 0
+        for block in chain:
             owners = holders.get(block, 0)
-            guess = predicted.get(block) if predicted else None
-            if guess:
-                for replica, until in guess.items():
-                    if until > now:
-                        owners |= self.bit(replica)
-            alive &= owners
-            if not alive:
-                break
-            bits = alive
-            while bits:
-                low = bits & -bits
-                depth[names[low]] = i + 1
-                bits ^= low
+            if predicted:
+                guess = predicted.get(block)
+                if guess:
+                    for replica, until in guess.items():
+                        if until > now:
+                            owners |= self.bit(replica)
+            kept = alive & owners
+            if kept != alive:
+                if n:  # the replicas whose run ended at the previous block
+                    self._depths(depth, alive & ~kept, n)
+                if not kept:
+                    return depth
+                alive = kept
+            n += 1
+        if n:
+            self._depths(depth, alive, n)
         return depth
+
+    def _depths(self, depth: dict[str, int], bits: int, n: int) -> None:
+        names = self.names
+        while bits:
+            low = bits & -bits
+            depth[names[low]] = n
+            bits ^= low
 
     def __len__(self) -> int:
         return self.entries

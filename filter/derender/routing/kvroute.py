@@ -77,6 +77,7 @@ def tie(key: str | None, replica: str) -> int:
 
 
 PLAIN = (None, None, ())  # the seed of a prompt's chain without salt, adapter or images
+PLAIN_SEED = hash(PLAIN)
 
 
 def python_chain(ids: Sequence[int], size: int, full: int, parent: int) -> Iterator[int]:
@@ -139,9 +140,12 @@ class KvRouting:
         full = min(len(ids) // size, self.chain_blocks)
         seed = (cache_salt, lora, tuple(media))
         if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
+            # python_chain's names, its loop written out here (the request path's hottest loop)
             named = self._named
             out: list[int] = []
-            for name in python_chain(ids, size, full, hash(PLAIN)):
+            name = PLAIN_SEED
+            for block in zip(*[iter(ids[: full * size])] * size, strict=False):
+                name = hash((name, hash(block)))
                 h = named.get(name)
                 if h is None:
                     break
@@ -182,7 +186,7 @@ class KvRouting:
         if event.block_size != size or len(tokens) != size * len(hashes) or not hashes:
             return
         if event.parent_block_hash is None:
-            parent = hash(PLAIN)
+            parent = PLAIN_SEED
         else:
             known = self._name_of.get(external(event.parent_block_hash))
             if known is None:
@@ -205,7 +209,8 @@ class KvRouting:
         """A request reached ``replica``: it holds the chain from now on (predicted until its events
         say so), and unless it already held all ``blocks`` of the prompt, its events should follow."""
         now = time.monotonic()
-        self.index.predict(replica, chain, now)
+        # The first ``matched`` it holds already (its events said so, or an earlier prediction did).
+        self.index.predict(replica, chain[matched:], now)
         feed = self.feeds.get(replica)
         if feed is not None and matched < blocks:
             feed.expect(now)
