@@ -132,14 +132,13 @@ class KvIndex:
         holders, predicted = self.holders, self.predicted
         n = 0
         for block in chain:
-            owners = holders.get(block, 0)
-            if predicted:
+            kept = alive & holders.get(block, 0)
+            if kept != alive and predicted:  # some replica still matching lacks it: predicted, perhaps
                 guess = predicted.get(block)
                 if guess:
                     for replica, until in guess.items():
                         if until > now:
-                            owners |= self.bit(replica)
-            kept = alive & owners
+                            kept |= alive & self.bit(replica)
             if kept != alive:
                 if n:  # the replicas whose run ended at the previous block
                     self._depths(depth, alive & ~kept, n)

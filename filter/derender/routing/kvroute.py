@@ -84,7 +84,7 @@ def python_chain(ids: Sequence[int], size: int, full: int, parent: int) -> Itera
     """One 64-bit name per full block of the first ``full``: Python's hash of the block chained to its
     parent's, the first to ``parent`` (``hash(seed)`` for a prompt's first block). Lazy: a caller that
     stops at the first unknown name hashes no further."""
-    for block in map(hash, zip(*[iter(ids[: full * size])] * size, strict=False)):
+    for block in zip(*[iter(ids[: full * size])] * size, strict=False):
         parent = hash((parent, block))
         yield parent
 
@@ -145,7 +145,7 @@ class KvRouting:
             out: list[int] = []
             name = PLAIN_SEED
             for block in zip(*[iter(ids[: full * size])] * size, strict=False):
-                name = hash((name, hash(block)))
+                name = hash((name, block))
                 h = named.get(name)
                 if h is None:
                     break
