@@ -2,8 +2,9 @@
 while vLLM's own publisher (``ZmqEventPublisher``) sends it ``--rate`` events a second.
 
 The publishers in a process of their own (as in vLLM's engines: ``ZmqEventPublisher`` on its thread),
-the filter's ``Feed`` (``routing.kvfeed``: a SUB socket, vLLM's msgpack decoder, the ``KvIndex``) on this
-process's asyncio loop, as in a worker. Each batch holds
+the filter's feeds (``routing.kvfeed``: a SUB socket, vLLM's msgpack decoder, the ``KvIndex``, and each
+stored block named for the prompts' lookup, ``KvRouting.learn``) on this process's asyncio loop, as in a
+worker. Each batch holds
 ``--events-per-batch`` events as a busy engine step does: BlockStored of ``--blocks`` new blocks each,
 and as many BlockRemoved once the replica's cache (``--cache-blocks``) is full. Reported: the loop
 thread's CPU seconds over the run's wall seconds (its share of one core), and per event; the index's
@@ -29,8 +30,9 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import procs  # noqa: E402
-from derender.routing.kvfeed import Feed, FeedSpec  # noqa: E402
-from derender.routing.kvindex import KvIndex  # noqa: E402
+from derender.routing.kvfeed import FeedSpec  # noqa: E402
+from derender.routing.kvroute import KvRouting  # noqa: E402
+from derender.routing.prefix import BlockHasher  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher  # noqa: E402
 
 
@@ -45,7 +47,8 @@ def publish(publisher: ZmqEventPublisher, events_per_s: float, args: argparse.Na
         for _ in range(args.events_per_batch):
             new = [rng.getrandbits(63) for _ in range(args.blocks)]
             cached += new
-            events.append(BlockStored(block_hashes=new, parent_block_hash=None, token_ids=[1] * 16 * args.blocks,
+            events.append(BlockStored(block_hashes=new, parent_block_hash=None,
+                                      token_ids=[rng.randrange(150000) for _ in range(16 * args.blocks)],
                                       block_size=16, lora_id=None, medium="GPU", lora_name=None))
             if len(cached) > args.cache_blocks:
                 gone, cached[:] = cached[: args.blocks], cached[args.blocks :]
@@ -85,9 +88,13 @@ async def run(args: argparse.Namespace) -> dict:
     folder = tempfile.mkdtemp(prefix="derender-kv-bench-")
     argv = [sys.executable, __file__, "--publish", folder, *sys.argv[1:]]
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    index = KvIndex()
-    feeds = [Feed(FeedSpec(f"10.0.0.{i}:8000", f"ipc://{folder}/pub{i}", f"ipc://{folder}/replay{i}"), index,
-                  max_rate=1e9) for i in range(args.replicas)]
+    # The feeds as kv-events routing makes them: each stored block also named for the prompts' lookup
+    # (``KvRouting.learn``), its flood limit lifted.
+    routing = KvRouting(BlockHasher(16), [FeedSpec(f"10.0.0.{i}:8000", f"ipc://{folder}/pub{i}",
+                                                   f"ipc://{folder}/replay{i}") for i in range(args.replicas)])
+    index, feeds = routing.index, list(routing.feeds.values())
+    for feed in feeds:
+        feed.max_rate = 1e9
     await asyncio.sleep(3.0)  # the publishers bound (vLLM imported there)
     for feed in feeds:
         feed.start()

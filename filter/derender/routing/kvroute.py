@@ -28,7 +28,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from .kvfeed import Feed, FeedSpec
-from .kvindex import KvIndex, external
+from .kvindex import MASK, KvIndex, external
 from .prefix import BlockHasher, Media, extra_keys
 
 
@@ -193,8 +193,10 @@ class KvRouting:
                 return  # its parent was never seen: its prompts match as far as the parent
             parent = known
         named, name_of = self._named, self._name_of
-        for name, h in zip(python_chain(tokens, size, len(hashes), parent), hashes, strict=True):
-            block = external(h)
+        name = parent  # python_chain's names, its loop written out (every stored block passes here)
+        for tokens_of, h in zip(zip(*[iter(tokens)] * size, strict=False), hashes, strict=True):
+            name = hash((name, tokens_of))
+            block = h & MASK if type(h) is int else external(h)
             named[name] = block
             name_of[block] = name
         if len(named) > self.max_named:
