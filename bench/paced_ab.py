@@ -51,6 +51,14 @@ def commit_of(tree: str | None) -> str:
     return head + (" + changes" if dirty else "")
 
 
+def wakeups(pid: int) -> int:
+    """Its main thread's voluntary context switches (each a sleep that something ended: the loop's wake-ups)."""
+    try:
+        return psutil.Process(pid).num_ctx_switches().voluntary
+    except psutil.NoSuchProcess:
+        return 0
+
+
 def thread_cpu(pid: int) -> dict[int, float]:
     try:
         return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
@@ -134,9 +142,9 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
         url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
-        threads0, stats0, envoy0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu()
+        threads0, stats0, envoy0, woke0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu(), wakeups(server.pid)
         results, _ = asyncio.run(load.streams(url, body, args.streams * args.batches, args.streams, ramp=1.0))
-        threads1, stats1, envoy1 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu()
+        threads1, stats1, envoy1, woke1 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu(), wakeups(server.pid)
     finally:
         for proc in reversed(started):
             proc.stop()
@@ -147,7 +155,13 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
     per = lambda seconds: seconds / max(tokens, 1) * 1e6
     firsts = sorted(r.ttft for r in results if r.ttft is not None)
     return {"worker": per(sum(used.values())), "main": per(main), "other": per(sum(used.values()) - main),
-            "envoy": per(envoy1 - envoy0), "msgs": msgs / max(tokens, 1), "failed": len(results) - sum(1 for r in results if r.done),
+            "envoy": per(envoy1 - envoy0), "msgs": msgs / max(tokens, 1),
+            # bytes each way between Envoy and the filter, and the worker's sleeps ended, per token
+            "rx_bytes": (stats1.get("upstream_cx_rx_bytes_total", 0) - stats0.get("upstream_cx_rx_bytes_total", 0))
+            / max(tokens, 1),
+            "tx_bytes": (stats1.get("upstream_cx_tx_bytes_total", 0) - stats0.get("upstream_cx_tx_bytes_total", 0))
+            / max(tokens, 1),
+            "wakeups": (woke1 - woke0) / max(tokens, 1), "failed": len(results) - sum(1 for r in results if r.done),
             "ttft_ms": firsts[len(firsts) // 2] * 1e3 if firsts else 0.0}
 
 
@@ -198,7 +212,7 @@ def main() -> int:
                                args.before_frame_layer if name == "before" else None,
                                traced if name == "after" else ())
             rounds[name].append(result)
-            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k in ("msgs", "ttft_ms") else f"{k} {v:.0f}"
+            print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k in ("msgs", "ttft_ms", "wakeups") else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
     if store is not None:
         store.stop()

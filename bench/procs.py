@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,8 +132,10 @@ class Envoy:
         return f"http://127.0.0.1:{self.port}"
 
     def stats(self) -> dict[str, int]:
-        """ext_proc counters (gRPC messages each way)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats?filter=ext_proc", timeout=5) as r:
+        """ext_proc counters (gRPC messages each way) and the bytes each way on the connections to the
+        filter (the ``derender`` cluster's ``upstream_cx_rx_bytes_total``, ``..._tx_...``)."""
+        query = urllib.parse.quote(r"ext_proc|cluster\.derender\.upstream_cx_[rt]x_bytes_total")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats?filter={query}", timeout=5) as r:
             text = r.read().decode()
         out = {}
         for line in text.splitlines():
