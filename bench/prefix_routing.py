@@ -74,7 +74,8 @@ def workload(args: argparse.Namespace) -> list[dict]:
     return conversations
 
 
-async def run_conversation(http: aiohttp.ClientSession, url: str, conv: dict, ttfts: list[float], failures: list[str]) -> None:
+async def run_conversation(http: aiohttp.ClientSession, url: str, conv: dict, ttfts: list[float], failures: list[str],
+                           turned=None) -> None:
     messages = [{"role": "system", "content": conv["system"]}]
     for user in conv["turns"]:
         messages.append({"role": "user", "content": user})
@@ -99,17 +100,34 @@ async def run_conversation(http: aiohttp.ClientSession, url: str, conv: dict, tt
                         text.append(choice.get("delta", {}).get("content") or "")
         ttfts.append(first if first is not None else float("nan"))
         messages.append({"role": "assistant", "content": "".join(text)})
+        if turned is not None:
+            await turned(http)
 
 
-async def drive(url: str, conversations: list[dict], concurrency: int) -> tuple[list[float], list[str], float]:
+async def drive(url: str, conversations: list[dict], concurrency: int, sims: list[str] = (),
+                resets: int = 0) -> tuple[list[float], list[str], float]:
+    """The conversations, ``concurrency`` at a time; with ``resets``, that many prefix-cache resets spread
+    evenly over the run (vLLM's ``POST /reset_prefix_cache``, as a restart empties a cache: the replicas
+    in turn), which only the replicas' own events tell the filter of."""
     ttfts: list[float] = []
     failures: list[str] = []
     queue = list(conversations)
+    total = sum(len(c["turns"]) for c in conversations)
+    done = [0, 0]  # turns answered, resets made
+
+    async def turned(http: aiohttp.ClientSession) -> None:
+        done[0] += 1
+        if done[1] < resets and done[0] >= total * (done[1] + 1) / (resets + 1):
+            replica = sims[done[1] % len(sims)]
+            done[1] += 1
+            async with http.post(replica + "/reset_prefix_cache") as r:
+                assert r.status == 200, await r.text()
+
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
         async def worker() -> None:
             while queue:
-                await run_conversation(http, url, queue.pop(0), ttfts, failures)
+                await run_conversation(http, url, queue.pop(0), ttfts, failures, turned if resets else None)
 
         start = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -131,7 +149,9 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
         up.wait(lambda: "endpoint ready" in up.log.read_text(errors="replace"), 300)
         line = re.search(r"producer (http://\S+)", up.log.read_text(errors="replace"))
         sims = line.group(1).split(",") if line else []
-        ttfts, failures, wall = asyncio.run(drive(f"http://127.0.0.1:{port}/v1/chat/completions", conversations, args.concurrency))
+        resets = 0 if mode == "ideal" else args.resets
+        ttfts, failures, wall = asyncio.run(drive(f"http://127.0.0.1:{port}/v1/chat/completions", conversations,
+                                                  args.concurrency, sims, resets))
         stats = [procs.get_json(u + "/sim/stats") for u in sims]
         log = up.log.read_text(errors="replace")
     finally:
@@ -263,7 +283,9 @@ def report(args: argparse.Namespace, results: dict) -> str:
         f"- producers: {args.replicas} simulators in one Envoy cluster (`derender up --replicas {args.replicas}`), each with "
         f"an LRU prefix cache of {args.cache_blocks} blocks of 16 tokens, prefill {args.prefill_us_per_token:g} us per uncached "
         f"token (one prompt at a time per replica), answers in events of {args.tokens_per_event} tokens "
-        f"{args.delay * 1e3:g} ms apart; the filter with `--workers {args.workers}`",
+        f"{args.delay * 1e3:g} ms apart; the filter with `--workers {args.workers}`"
+        + (f"; {args.resets} prefix-cache resets spread over each run (`POST /reset_prefix_cache`, the replicas in "
+           "turn), which only the replicas' events report" if args.resets else ""),
         "- ideal: the same workload on one simulator whose cache never evicts",
         "",
         ("TTFT: each request's modelled time to first token at its replica (the prefill queue and the prefill "
@@ -315,6 +337,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(BENCH / "PREFIX.md"), help="report file ('-': print only)")
     parser.add_argument("--skip-cost", action="store_true", help="not the in-process routing cost")
     parser.add_argument("--cost-only", action="store_true", help="only the in-process routing cost (printed)")
+    parser.add_argument("--resets", type=int, default=0,
+                        help="prefix-cache resets spread over each run, the replicas in turn (not in ideal)")
     args = parser.parse_args()
     assets.fetch("qwen3", quiet=True)
     procs.LOGS.mkdir(parents=True, exist_ok=True)

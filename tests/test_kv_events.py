@@ -98,6 +98,16 @@ def test_the_simulator_publishes_vllms_events_with_the_filters_block_hashes(qwen
         ]
         assert {(e.lora_name, e.lora_id) for e in lora_stored} == {("my-lora", 1)}
         assert lora_stored[0].extra_keys == [("my-lora",)] * 4
+
+        # vLLM's POST /reset_prefix_cache (as a restart empties the cache): all forgotten, AllBlocksCleared.
+        generate(url, second)  # cached again, whole
+        assert generate(url, second)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        before = len(replayed(replay))
+        status, body = http_post(url + "/reset_prefix_cache", {})
+        assert status == 200 and json.loads(body) == {"success": True}
+        batches = wait_for(lambda: len(b := replayed(replay)) > before and b, "the reset's event")
+        assert [[type(e) for e in batch.events] for _, batch in batches[before:]] == [[AllBlocksCleared]]
+        assert generate(url, second)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     finally:
         proc.stop()
 

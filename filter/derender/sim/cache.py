@@ -41,6 +41,13 @@ class PrefixCache:
             out.append((parent, None, block))
         return out
 
+    def reset(self) -> None:
+        """Everything forgotten, as vLLM's ``POST /reset_prefix_cache`` does (and a restart), published
+        as vLLM's block pool publishes it: ``AllBlocksCleared``."""
+        self.blocks.clear()
+        if self.events is not None:
+            self.events.publish([self.events.cleared()])
+
     def cached_tokens(
         self,
         prompt: Sequence[int],

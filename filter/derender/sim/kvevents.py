@@ -74,7 +74,7 @@ class KvEvents:
         self.publisher = kv_events.EventPublisherFactory.create(config, data_parallel_rank=0)
         self.config = config
         self.published = 0  # batches
-        self.publish([kv_events.AllBlocksCleared()])  # a fresh start: nothing cached
+        self.publish([self.cleared()])  # a fresh start: nothing cached
 
     def chain(
         self, token_ids: Sequence[int], cache_salt: str | None, media: Sequence[Media], lora: Lora | None = None
@@ -104,6 +104,9 @@ class KvEvents:
             extra_keys=self._utils.to_event_extra_keys([extra for _, extra, _ in run]),
             group_idx=0,
         )
+
+    def cleared(self) -> Any:
+        return self._vllm.AllBlocksCleared()
 
     def removed(self, block_hash: Any) -> Any:
         return self._vllm.BlockRemoved(block_hashes=[self.external(block_hash)], medium=MEDIUM, group_idx=0)

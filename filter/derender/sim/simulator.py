@@ -164,6 +164,14 @@ class Simulator(Serving):
                 raise ValueError("tokens_per_event must be >= 1 or 'random:SEED'")
             self.tokens_per_event = int(tokens_per_event)
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache, vLLM's (``VLLM_SERVER_DEV_MODE=1``): the prefix cache emptied and
+        ``AllBlocksCleared`` published. vLLM refuses (``success: false``) while running requests hold
+        blocks unless asked to reset them; the model holds no blocks for running requests, so it always
+        succeeds."""
+        self.cache.reset()
+        return _json_response({"success": True})
+
     async def set_config(self, request: web.Request) -> web.Response:
         try:
             self.configure(**json.loads(await request.read()))
@@ -367,6 +375,7 @@ class Simulator(Serving):
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/sim/kv/{request_id}", self.handoff.take)
         app.on_cleanup.append(lambda _: self.handoff.close())
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_post("/sim/config", self.set_config)
         app.router.add_post("/sim/release", self.release)
         app.router.add_get("/sim/{what:aborted|disconnected|requests|numbered|headers}", self.introspect)
