@@ -41,6 +41,20 @@ def http_post(url: str, body: dict | bytes, timeout: float = 10, headers: dict |
         return e.code, e.read()
 
 
+def metric_total(url: str, name: str, **labels: str) -> float:
+    """The sum of the Prometheus samples named ``name`` (``..._total``, ``..._count``: as exposed) with
+    these labels among theirs, at ``url`` (a ``/metrics`` page)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http_get(url, timeout=10)[1].decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
 def wait_for(check, what: str, timeout: float = 20.0):
     """Poll ``check`` until it returns something true, and return that; fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout

@@ -19,10 +19,9 @@ import pytest
 import yaml
 from derender.ops import quota
 
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent_turns import QUESTION, WEATHER_FUNCTION, WEATHER_TOOL, tool_call_answer
-from stack import DERENDER, Redis, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
+from stack import DERENDER, Redis, free_port, metric_total, start_envoy, start_filter, start_sim, wait_for
 
 FLAGS = ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "1"]
 KEYS = {
@@ -102,14 +101,7 @@ class Fleet:
 
     def counted(self, name: str, **labels: str) -> float:
         """A counter's value summed over the filter processes, for the samples with ``labels``."""
-        total = 0.0
-        for port in self.metrics_ports:
-            text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == name and labels.items() <= sample.labels.items():
-                        total += sample.value
-        return total
+        return sum(metric_total(f"http://127.0.0.1:{port}/metrics", name, **labels) for port in self.metrics_ports)
 
     def aborted(self) -> list[str]:
         return httpx.get(self.sim_url + "/sim/aborted").json()

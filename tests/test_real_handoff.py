@@ -20,16 +20,15 @@ from __future__ import annotations
 import contextlib
 import json
 
-import httpx
 import pytest
 import real_engines
+from real_compare import compare, generate_calls
 from real_engines import MODEL_FLAGS
-from stack import free_port, http_get, http_post, start_envoy, start_filter, wait_for
+from stack import free_port, http_get, http_post, metric_total, start_envoy, start_filter, wait_for
 
 from derender.routing.handoff import ASK
 
 pytestmark = pytest.mark.timeout(1500)
-GENERATE_LOG = '"POST /inference/v1/generate HTTP/1.1" 200'
 HANDSHAKE_TRIES = 5
 
 
@@ -57,14 +56,7 @@ def handshake(prefill: str, decode: str) -> None:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of an engine's (or the filter's) Prometheus samples of ``name`` with these labels."""
-    text = http_get(url + "/metrics", timeout=10)[1].decode()
-    total = 0.0
-    for line in text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        if (sample == name or sample.startswith(name + "{")) and all(f'{k}="{v}"' in sample for k, v in labels.items()):
-            total += float(value)
-    return total
+    return metric_total(url + "/metrics", name, **labels)
 
 
 class Pair:
@@ -82,33 +74,13 @@ class Pair:
         wait_for(lambda: http_get(self.metrics + "/metrics")[0] == 200, "the filter's metrics")
 
     def prefill_calls(self) -> int:
-        return self.prefill_proc.log.read_text(errors="replace").count(GENERATE_LOG)
+        return generate_calls((self.prefill_proc, self.prefill))
 
 
 @pytest.fixture(scope="module")
 def pair(qwen3_dir):
     with contextlib.ExitStack() as stack:
         yield Pair(stack, qwen3_dir)
-
-
-def ask(base: str, body: dict) -> dict:
-    """A chat completion's answer; streamed, put together: the text and token ids, finish reason, usage."""
-    with httpx.Client(timeout=120) as client:
-        r = client.post(base + "/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    if not body.get("stream"):
-        [choice] = r.json()["choices"]
-        return {"content": choice["message"]["content"], "token_ids": choice["token_ids"],
-                "finish_reason": choice["finish_reason"], "usage": r.json()["usage"]}
-    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")
-              and line != "data: [DONE]"]
-    out = {"content": "", "token_ids": [], "finish_reason": None, "usage": events[-1]["usage"]}
-    for event in events:
-        for choice in event["choices"]:
-            out["content"] += choice["delta"].get("content") or ""
-            out["token_ids"] += choice.get("token_ids") or []
-            out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
-    return out
 
 
 def long_chat(topic: str, stream: bool) -> dict:
@@ -122,21 +94,20 @@ def long_chat(topic: str, stream: bool) -> dict:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_greedy_answers_equal_the_engines_own_and_the_prompts_kv_comes_through_nixl(pair, stream):
     body = long_chat("json" if not stream else "sse", stream)
-    calls = pair.prefill_calls()
     pulled = metric(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     transfers = metric(pair.decode, "vllm:nixl_xfer_time_seconds_count")
     remote = metric(pair.metrics, "derender_prefill_handoffs_total", outcome="remote")
 
-    got = ask(pair.url, body)
-    want = ask(pair.prefill, body)  # the same request without the handoff: the engine's own server
-    assert got == want, (got, want)
-    assert got["usage"]["prompt_tokens"] > 200 and len(got["token_ids"]) == 24
+    # The filter's answer equals the same request without the handoff, the engine's own server; the
+    # filter called the prefill engine's producer endpoint once.
+    want = compare((pair.prefill_proc, pair.prefill), pair.url, body)
+    prompt_tokens = want["usage"]["prompt_tokens"]
+    assert prompt_tokens > 200 and len(want["choices"][0]["token_ids"]) == 24
 
-    assert pair.prefill_calls() == calls + 1  # the filter's prefill request
     assert metric(pair.metrics, "derender_prefill_handoffs_total", outcome="remote") == remote + 1
     # The decode engine computed little of the prompt itself: most of it came over NIXL.
     came = metric(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") - pulled
-    assert came >= got["usage"]["prompt_tokens"] - 32, came
+    assert came >= prompt_tokens - 32, came
     assert metric(pair.decode, "vllm:nixl_xfer_time_seconds_count") > transfers
 
 
@@ -146,7 +117,7 @@ def test_a_short_prompt_is_decoded_alone(pair):
     calls = pair.prefill_calls()
     pulled = metric(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
     short = metric(pair.metrics, "derender_prefill_handoffs_total", outcome="short")
-    assert ask(pair.url, body) == ask(pair.prefill, body)
-    assert pair.prefill_calls() == calls  # the filter sent it to decode alone
+    compare((pair.decode_proc, pair.decode), pair.url, body)  # the decode engine's own answer, its endpoint called
+    assert pair.prefill_calls() == calls  # nothing of it reached the prefill engine
     assert metric(pair.metrics, "derender_prefill_handoffs_total", outcome="short") == short + 1
     assert metric(pair.decode, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == pulled
