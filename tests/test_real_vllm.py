@@ -25,7 +25,7 @@ import pytest
 import real_engines
 from real_compare import ask, compare
 from real_engines import MODEL_FLAGS, VL_FLAGS
-from stack import http_post, start_envoy, start_filter, wait_for
+from stack import free_port, http_post, metric_total, start_envoy, start_filter, wait_for
 
 # Building the virtualenv on first use happens inside the first test's setup.
 pytestmark = pytest.mark.timeout(1500)
@@ -313,13 +313,15 @@ def kv_gateway(engine, qwen3_dir, adapter):
     pub, replay = real_engines.kv_events()
     procs = []
     try:
+        metrics = free_port()
         flt, port = start_filter(["--model", qwen3_dir, *MODEL_FLAGS, *adapter, "--routing", "kv-events",
-                                  "--kv-events", pub, "--kv-events-replay", replay, "--prefix-block-size", "128"],
+                                  "--kv-events", pub, "--kv-events-replay", replay, "--prefix-block-size", "128",
+                                  "--workers", "1", "--metrics-port", str(metrics)],
                                  engine[1])
         procs.append(flt)
         envoy, url = start_envoy(port, engine[1])
         procs.append(envoy)
-        yield url, flt
+        yield url, flt, f"http://127.0.0.1:{metrics}/metrics"
     finally:
         for p in reversed(procs):
             p.stop()
@@ -333,7 +335,7 @@ def test_the_engines_kv_events_carry_the_filters_block_hashes_and_predict_its_ca
     from derender.routing.prefix import BlockHasher
     from vllm.distributed.kv_events import BlockStored
 
-    kv_envoy_url, flt = kv_gateway
+    kv_envoy_url, flt, flt_metrics = kv_gateway
     _, replay = real_engines.kv_events()
     prompt = [(7919 * i) % 50000 + 1000 for i in range(300)]  # 300 tokens the filter passes as they are
     body = {"model": "qwen3", "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -355,6 +357,12 @@ def test_the_engines_kv_events_carry_the_filters_block_hashes_and_predict_its_ca
     assert mine, f"the engine published no blocks with the filter's hashes (block size {size})"
     assert size == 128, size  # the CPU backend's block, which the filter was told (--prefix-block-size)
 
+    # The filter has read every batch the engine published (its own feed, not only the replay asked here).
+    def taken() -> float:
+        return sum(metric_total(flt_metrics, "derender_kv_events_batches_total", outcome=o)
+                   for o in ("received", "replayed"))
+
+    wait_for(lambda: taken() >= len(engine_replay(replay)), "the filter has read the engine's events", 30)
     before = prefix_cache_hits(engine[1])
     body["prompt"] = prompt + [4242, 4243, 4244]
     assert httpx.post(kv_envoy_url + "/v1/completions", json=body, timeout=120).status_code == 200
