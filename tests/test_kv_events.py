@@ -16,7 +16,8 @@ from derender.routing.kvindex import external
 from derender.routing.prefix import BlockHasher
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from stack import Proc, free_port, http_get, http_post, start_cluster_envoy, start_filter, start_sim, wait_for
+from stack import (Proc, free_port, http_get, http_post, metric_total, start_cluster_envoy, start_filter, start_sim,
+                   wait_for)
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -169,12 +170,10 @@ class Fleet:
         published = sum(json.loads(http_get(url + "/sim/stats")[1])["kv_event_batches"] for _, url, _, _ in self.sims)
 
         def read(port: int) -> float:
-            text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
-            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("derender_kv_events_batches_total{")
-                       and ('outcome="received"' in line or 'outcome="replayed"' in line))
+            return metric_total(f"http://127.0.0.1:{port}/metrics", "derender_kv_index_batches_total")
 
-        for port, workers in zip(self.metrics, self.workers, strict=True):  # each worker reads every batch
+        # each worker's index takes every batch (the process's hub reads it once and relays it)
+        for port, workers in zip(self.metrics, self.workers, strict=True):
             wait_for(lambda p=port, w=workers: read(p) >= published * w, "every worker's view of every batch")
 
     def received(self) -> list[int]:
@@ -273,3 +272,41 @@ def test_two_filter_processes_fed_the_same_events_choose_alike(fleet):
     text = http_get(f"http://127.0.0.1:{fleet.metrics[1]}/metrics")[1].decode()
     sizes = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("derender_kv_index_blocks{")]
     assert len(sizes) == 2 and sizes[0] == sizes[1] > 0, sizes
+
+
+def test_one_hub_per_filter_process_reads_each_batch_once_and_without_it_the_workers_read_them(fleet):
+    """A filter process of two workers has one reader of the events (its hub, a process of its own):
+    it reads each batch once and both workers' indexes take every batch. With the hub killed, each
+    worker reads the events itself (the history from the replay sockets) and routing by the events
+    goes on."""
+    import os
+    import signal
+
+    second = fleet.bases[1] if len(fleet.bases) > 1 else fleet.add_gateway(workers=2)
+    flt, port = fleet.filters[1], fleet.metrics[1]
+    fleet.caught_up()
+    published = sum(json.loads(http_get(url + "/sim/stats")[1])["kv_event_batches"] for _, url, _, _ in fleet.sims)
+
+    def read() -> float:  # batches read from the replicas' sockets, in every process of the filter
+        return sum(metric_total(f"http://127.0.0.1:{port}/metrics", "derender_kv_events_batches_total", outcome=o)
+                   for o in ("received", "replayed"))
+
+    assert read() == published  # by the hub alone, once
+    assert metric_total(f"http://127.0.0.1:{port}/metrics", "derender_kv_index_batches_total") >= 2 * published
+    hub = int(re.search(r"kv-events hub: pid (\d+)", flt.log.read_text()).group(1))
+    os.kill(hub, signal.SIGKILL)
+    wait_for(lambda: flt.log.read_text().count("this worker reads the producers' events itself") == 2,
+             "both workers on their own feeds")
+    before = read()
+    # Their own feeds have read the history (each worker all of it), and what comes next.
+    messages = question(30)
+    placed = fleet.chat(second, messages)
+    prompt = fleet.last_prompt(placed)
+    elsewhere = (placed + 1) % 3
+    generate(fleet.sims[elsewhere][1], prompt)
+    generate(fleet.sims[placed][1], list(range(90000, 90000 + 16 * 70)))  # evicted there
+    published = sum(json.loads(http_get(url + "/sim/stats")[1])["kv_event_batches"] for _, url, _, _ in fleet.sims)
+    wait_for(lambda: read() >= before + 2 * published, "each worker's own feeds, every batch")
+    assert fleet.chat(second, messages) == elsewhere
+    route = wait_for(lambda: (r := fleet.routes(flt)) and r[-1], "the last request's log line")
+    assert route["route"] == "match", route

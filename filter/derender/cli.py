@@ -61,9 +61,25 @@ def _logging(args: argparse.Namespace) -> None:
     logs.setup(args.log_level, args.log_format, getattr(args, "log_prompts", False))
 
 
+def _kv_events(args: argparse.Namespace) -> bool:
+    """Whether any served model routes by the producers' KV events (then a hub process reads them)."""
+    if args.routing == "kv-events":
+        return True
+    if not args.config:
+        return False
+    from .routing import config
+
+    try:
+        return any(e.routing == "kv-events" for e in config.load(args.config))
+    except config.ConfigError:
+        return False  # reported where the entries are served
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.metrics_port and args.workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # Forked workers pool their metrics in files: prometheus-client reads the variable at import.
+    hub = _kv_events(args)
+    if args.metrics_port and (args.workers > 1 or hub) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Forked workers (and the KV events hub) pool their metrics in files: prometheus-client reads
+        # the variable at import.
         import atexit
         import shutil
         import tempfile
@@ -107,6 +123,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = served(args, process)
     routing = routeflags.routing_spec(args)
+    if hub:  # one reader of the producers' KV events for every worker (routing.kvhub)
+        from .routing import kvhub
+
+        routing = replace(routing, kv_hub=kvhub.start()[0])
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(
         model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process

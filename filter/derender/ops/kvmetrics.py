@@ -59,3 +59,16 @@ def kv_counters(replica: str, outcome: str) -> tuple[Counter, Counter, Gauge]:
 
 def kv_index_gauge() -> Gauge:
     return KV_INDEX_BLOCKS.labels(str(os.getpid()))
+
+
+KV_APPLIED = Counter(
+    "derender_kv_index_batches",
+    "KV cache event batches applied to a worker's index, by replica (summed over workers: each applies every "
+    "batch, read by itself or relayed by the process's hub)",
+    ["replica"],
+    registry=REGISTRY,
+)
+
+
+def kv_applied(replica: str) -> Counter:
+    return KV_APPLIED.labels(replica)

@@ -254,6 +254,7 @@ class RoutingSpec:
     kv_events: tuple[str, ...] = ()  # --kv-events: each producer's events endpoint (kvroute)
     kv_events_replay: tuple[str, ...] = ()  # --kv-events-replay
     kv_events_topic: str = ""  # --kv-events-topic
+    kv_hub: str | None = None  # the process's hub of KV events (``kvhub``), or each worker reads them itself
     flow: FlowSpec = field(default_factory=FlowSpec)  # --replica-capacity and the queue's flags (flow control)
     handoff: HandoffSpec = field(default_factory=HandoffSpec)  # --prefill and its flags (prefill/decode)
 
@@ -283,5 +284,5 @@ class RoutingSpec:
                 kv_events_replay or self.kv_events_replay,
                 self.kv_events_topic,
             )
-            kv = KvRouting(hasher, specs)
+            kv = KvRouting(hasher, specs, hub=self.kv_hub)
         return Balancer(mode, PrefixKey(hasher, marker, self.key_blocks), self.bound, kv)

@@ -26,16 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from ..ops import kvmetrics as metrics
-from .kvindex import KvIndex
 
 log = logging.getLogger("derender.kvevents")
 
@@ -62,34 +61,32 @@ class FeedSpec:
     topic: str = ""
 
 
-class Feed:
-    def __init__(
-        self,
-        spec: FeedSpec,
-        index: KvIndex,
-        max_bytes: int = 16 << 20,
-        max_rate: float = 20_000,
-        stale_s: float = 30.0,
-        block_size: int | None = None,
-        learn: Callable[[BlockStored], None] | None = None,
-    ) -> None:
-        self.learn = learn  # what else reads each BlockStored (``kvroute.KvRouting.learn``)
-        self.block_size = block_size  # the filter's --prefix-block-size: a replica's other size is logged once
-        self.spec = spec
-        self.index = index
-        self.max_bytes = max_bytes
-        self.max_rate = max_rate
-        self.stale_s = stale_s
-        self.next_seq: int | None = None
-        self.skip_below: int | None = None  # after a replay of all it held: live batches below it are had
-        self.waiting_since: float | None = None  # a request with new blocks went there, no event since
-        self.in_index = True
-        self.task: asyncio.Task | None = None
-        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self._counters: dict[str, tuple] = {}  # received / replayed: (batches, events, lag), bound once
-        self._size = metrics.kv_index_gauge()
+class Sink(Protocol):
+    """What a feed's events go to: a worker's ``KvIndex`` (or its ``KvRouting``, which also names the
+    blocks), or the hub's relay to the workers (``kvhub``)."""
 
-    # -- the routing side --------------------------------------------------------------------------
+    @property
+    def entries(self) -> int: ...  # (block, replica) entries it holds
+
+    def apply(self, replica: str, events: list) -> None: ...  # one batch's events, in order
+
+    def cleared(self, replica: str) -> None: ...  # the replica restarted: nothing of it is known
+
+    def left(self, replica: str) -> None: ...  # it left the index (flood, stale): routed by the hash
+
+
+class Standing:
+    """A replica's place in the index as routing sees it: in it, or left (stale, flood) until its
+    events come again; ``expect`` and ``check`` find a replica that serves requests and publishes
+    nothing."""
+
+    def __init__(self, replica: str, sink: Sink, stale_s: float = 30.0) -> None:
+        self.replica = replica
+        self.sink = sink
+        self.stale_s = stale_s
+        self.in_index = True
+        self.waiting_since: float | None = None  # a request with new blocks went there, no event since
+
     def expect(self, now: float) -> None:
         """A request that must store blocks there started: its events should follow."""
         if self.waiting_since is None:
@@ -99,15 +96,64 @@ class Feed:
         if self.in_index and self.waiting_since is not None and now - self.waiting_since > self.stale_s:
             self.leave(f"no KV events for {self.stale_s:g} s while it served requests")
 
-    def leave(self, why: str) -> None:
+    def leave(self, why: str, quiet: bool = False) -> None:
+        """Out of the index (``quiet``: another process logged and counted it: the hub)."""
         if self.in_index:
             self.in_index = False
-            log.warning(
-                "kv-events routing: replica %s leaves the index (%s); routed by the hash", self.spec.replica, why
-            )
-            metrics.kv_left(self.spec.replica, why.split(" (")[0].split(" for ")[0])
-        self.index.cleared(self.spec.replica)
+            if not quiet:
+                log.warning(
+                    "kv-events routing: replica %s leaves the index (%s); routed by the hash", self.replica, why
+                )
+                metrics.kv_left(self.replica, why.split(" (")[0].split(" for ")[0])
+        self.sink.left(self.replica)
         self.waiting_since = None
+
+    def alive(self) -> None:
+        """A batch of its events was applied."""
+        self.waiting_since = None
+        if not self.in_index:
+            self.in_index = True
+            log.info("kv-events routing: replica %s is back in the index", self.replica)
+
+
+class Feed:
+    def __init__(
+        self,
+        spec: FeedSpec,
+        sink: Sink,
+        max_bytes: int = 16 << 20,
+        max_rate: float = 20_000,
+        stale_s: float = 30.0,
+        block_size: int | None = None,
+    ) -> None:
+        self.block_size = block_size  # the filter's --prefix-block-size: a replica's other size is logged once
+        self.spec = spec
+        self.sink = sink
+        self.standing = Standing(spec.replica, sink, stale_s)
+        self.max_bytes = max_bytes
+        self.max_rate = max_rate
+        self.next_seq: int | None = None
+        self.skip_below: int | None = None  # after a replay of all it held: live batches below it are had
+        self.task: asyncio.Task | None = None
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._counters: dict[str, tuple] = {}  # received / replayed: (batches, events, lag), bound once
+
+    # -- the routing side (its ``Standing``) ---------------------------------------------------------
+    @property
+    def in_index(self) -> bool:
+        return self.standing.in_index
+
+    def expect(self, now: float) -> None:
+        self.standing.expect(now)
+
+    def check(self, now: float) -> None:
+        self.standing.check(now)
+
+    def leave(self, why: str, quiet: bool = False) -> None:
+        self.standing.leave(why, quiet)
+
+    def alive(self) -> None:
+        self.standing.alive()
 
     # -- the events side ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -219,7 +265,7 @@ class Feed:
                 seq,
                 self.next_seq - 1,
             )
-            self.index.cleared(self.spec.replica)
+            self.sink.cleared(self.spec.replica)
             self.next_seq = None
         if seq != (self.next_seq or 0) and self.spec.replay is not None:
             await self._replay(self.next_seq or 0, seq)
@@ -267,34 +313,26 @@ class Feed:
         except Exception:  # noqa: BLE001 - msgspec's errors: not vLLM's batch
             metrics.kv_event("dropped", self.spec.replica, "malformed")
             return
-        replica, index = self.spec.replica, self.index
-        self.waiting_since = None
-        if not self.in_index:
-            self.in_index = True
-            log.info("kv-events routing: replica %s is back in the index", replica)
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                if self.block_size is not None and event.block_size != self.block_size:
-                    log.error(
-                        "kv-events: replica %s caches blocks of %d tokens and the filter hashes %d "
-                        "(--prefix-block-size): no prompt will match its blocks",
-                        replica,
-                        event.block_size,
-                        self.block_size,
-                    )
-                    self.block_size = None
-                if self.learn is not None:
-                    self.learn(event)
-                index.stored(replica, event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                index.removed(replica, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                index.cleared(replica)
+        events = batch.events
+        if self.block_size is not None:
+            for event in events:  # the first stored block's size: a replica caches one size
+                if type(event) is BlockStored:
+                    if event.block_size != self.block_size:
+                        log.error(
+                            "kv-events: replica %s caches blocks of %d tokens and the filter hashes %d "
+                            "(--prefix-block-size): no prompt will match its blocks",
+                            self.spec.replica,
+                            event.block_size,
+                            self.block_size,
+                        )
+                        self.block_size = None
+                    break
+        self.sink.apply(self.spec.replica, events)
+        self.standing.alive()
         batches, applied, lag = self._counters.get(how) or self._count(how)
         batches.inc()
-        applied.inc(len(batch.events))
+        applied.inc(len(events))
         lag.set(max(0.0, time.time() - batch.ts))
-        self._size.set(index.entries)
 
     def _count(self, how: str) -> tuple:
         self._counters[how] = metrics.kv_counters(self.spec.replica, how)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
 MASK = (1 << 64) - 1
 
 
@@ -55,6 +57,20 @@ class KvIndex:
         return bit
 
     # -- events -------------------------------------------------------------------------------
+    def apply(self, replica: str, events: list) -> None:
+        """One batch of a replica's events (``kvfeed.Sink``)."""
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                self.stored(replica, event.block_hashes)
+            elif kind is BlockRemoved:
+                self.removed(replica, event.block_hashes)
+            elif kind is AllBlocksCleared:
+                self.cleared(replica)
+
+    def left(self, replica: str) -> None:
+        self.cleared(replica)
+
     def stored(self, replica: str, hashes: Iterable[object]) -> None:
         bit = self.bit(replica)
         holders, predicted = self.holders, self.predicted

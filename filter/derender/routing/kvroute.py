@@ -21,14 +21,17 @@ import hashlib
 import itertools
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
-from .kvfeed import Feed, FeedSpec
-from .kvindex import MASK, KvIndex, external
+from ..ops import kvmetrics as metrics
+from .kvfeed import Feed, FeedSpec, Standing
+from .kvhub import CLEARED, REMOVED, STORED, HubClient
+from .kvindex import KvIndex, external
+from .kvnames import PLAIN, PLAIN_SEED, Namer, python_chain
 from .prefix import BlockHasher, Media, extra_keys
 
 
@@ -76,19 +79,6 @@ def tie(key: str | None, replica: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
 
 
-PLAIN = (None, None, ())  # the seed of a prompt's chain without salt, adapter or images
-PLAIN_SEED = hash(PLAIN)
-
-
-def python_chain(ids: Sequence[int], size: int, full: int, parent: int) -> Iterator[int]:
-    """One 64-bit name per full block of the first ``full``: Python's hash of the block chained to its
-    parent's, the first to ``parent`` (``hash(seed)`` for a prompt's first block). Lazy: a caller that
-    stops at the first unknown name hashes no further."""
-    for block in zip(*[iter(ids[: full * size])] * size, strict=False):
-        parent = hash((parent, block))
-        yield parent
-
-
 class KvRouting:
     """One model's KV-event view in one worker process: the index, a feed per replica."""
 
@@ -102,28 +92,110 @@ class KvRouting:
         predict_s: float = 2.0,
         chain_blocks: int = 1024,
         stale_s: float = 30.0,
+        hub: str | None = None,
     ) -> None:
         self.hasher = hasher
+        self.specs = list(specs)
         self.index = KvIndex(max_blocks, predict_s)
-        self.feeds = {
-            spec.replica: Feed(spec, self.index, stale_s=stale_s, block_size=hasher.block_size, learn=self.learn)
-            for spec in specs
-        }
+        self.namer = Namer(hasher.block_size, max_blocks)
+        self.stale_s = stale_s
+        self.hub = hub  # a hub's socket (``kvhub``): its events relayed from there; None: its own feeds
+        self.client: HubClient | None = None
+        self.feeds: dict[str, Feed | Standing] = {}
+        if hub is None:
+            self.read_feeds()
+        else:
+            self.feeds = {spec.replica: Standing(spec.replica, self, stale_s) for spec in specs}
         self.chain_blocks = chain_blocks
-        self.max_named = max_blocks
         self._memo: dict[int, tuple] = {}  # python_chain's name of a block -> (vLLM's hash, its external form)
-        # Plain blocks (no salt, adapter or image) named from the events' own tokens: name -> vLLM's
-        # external hash, and back (a stored block's children are named from their parent's name).
-        self._named: dict[int, int] = {}
-        self._name_of: dict[int, int] = {}
+        self._applied: dict[str, object] = {}  # replica -> its worker-side batches counter, bound once
+        self._size = metrics.kv_index_gauge()
+
+    def read_feeds(self) -> dict[str, Feed]:
+        """This process subscribes to every replica itself (no hub, or the hub is gone)."""
+        feeds = {
+            spec.replica: Feed(spec, self, stale_s=self.stale_s, block_size=self.hasher.block_size)
+            for spec in self.specs
+        }
+        self.feeds = dict(feeds)
+        return feeds
 
     def start(self) -> None:
+        if self.hub is not None:
+            self.client = HubClient(self.hub, self)
+            self.client.start()
+            return
         for feed in self.feeds.values():
-            feed.start()
+            feed.start()  # type: ignore[union-attr]
 
     async def stop(self) -> None:
-        for feed in self.feeds.values():
-            await feed.stop()
+        if self.client is not None:
+            await self.client.stop()
+        for feed in list(self.feeds.values()):
+            if isinstance(feed, Feed):
+                await feed.stop()
+
+    # -- the events (``kvfeed.Sink``) ------------------------------------------------------------------
+    @property
+    def entries(self) -> int:
+        return self.index.entries
+
+    def apply(self, replica: str, events: list) -> None:
+        """One batch of a replica's events, read by this process's own feed."""
+        index, learn = self.index, self.namer.learn
+        for event in events:
+            kind = type(event)
+            if kind is BlockStored:
+                learn(event)
+                index.stored(replica, event.block_hashes)
+            elif kind is BlockRemoved:
+                index.removed(replica, event.block_hashes)
+            elif kind is AllBlocksCleared:
+                index.cleared(replica)
+        self._count(replica)
+
+    def cleared(self, replica: str) -> None:
+        self.index.cleared(replica)
+
+    def left(self, replica: str) -> None:
+        self.index.cleared(replica)
+
+    def relayed(self, batches: list) -> None:
+        """Batches the hub relays (``kvhub.Relay``): ``(replica, ops, batches)``, each op ``(STORED, blocks,
+        names or None)``, ``(REMOVED, blocks)``, ``(CLEARED,)`` or ``(LEFT,)``; blocks in vLLM's
+        external form, named as ``Namer`` names them."""
+        index, named, feeds = self.index, self.namer.named, self.feeds
+        for replica, ops, count in batches:
+            standing = feeds.get(replica)
+            if standing is None:
+                continue
+            left = False
+            for op in ops:
+                kind = op[0]
+                if kind == STORED:
+                    if op[2] is not None:
+                        named.update(zip(op[2], op[1], strict=True))
+                    index.stored(replica, op[1])
+                elif kind == REMOVED:
+                    index.removed(replica, op[1])
+                elif kind == CLEARED:
+                    index.cleared(replica)
+                else:
+                    standing.leave("the hub's feed left", quiet=True)
+                    left = True
+            if not left:
+                standing.alive()
+            self._count(replica, count)
+        if len(named) > self.namer.max_named:
+            for old in list(itertools.islice(named, len(named) // 10)):
+                del named[old]
+
+    def _count(self, replica: str, batches: int = 1) -> None:
+        counter = self._applied.get(replica)
+        if counter is None:
+            counter = self._applied[replica] = metrics.kv_applied(replica)
+        counter.inc(batches)  # type: ignore[attr-defined]
+        self._size.set(self.index.entries)
 
     def chain(
         self, ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None, media: Sequence[Media]
@@ -141,7 +213,7 @@ class KvRouting:
         seed = (cache_salt, lora, tuple(media))
         if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
             # python_chain's names, its loop written out here (the request path's hottest loop)
-            named = self._named
+            named = self.namer.named
             out: list[int] = []
             name = PLAIN_SEED
             for block in zip(*[iter(ids[: full * size])] * size, strict=False):
@@ -176,32 +248,8 @@ class KvRouting:
             out.append(h)
         return out
 
-    def learn(self, event: BlockStored) -> None:
-        """Name a stored run of plain blocks as ``python_chain`` names a prompt's (their tokens are in the
-        event), so that a prompt finds the vLLM hashes of what replicas hold without hashing them."""
-        keys = event.extra_keys
-        if keys and any(k is not None for k in keys):
-            return  # a salt, adapter or image: such prompts are hashed vLLM's way (``chain``)
-        size, hashes, tokens = self.hasher.block_size, event.block_hashes, event.token_ids
-        if event.block_size != size or len(tokens) != size * len(hashes) or not hashes:
-            return
-        if event.parent_block_hash is None:
-            parent = PLAIN_SEED
-        else:
-            known = self._name_of.get(external(event.parent_block_hash))
-            if known is None:
-                return  # its parent was never seen: its prompts match as far as the parent
-            parent = known
-        named, name_of = self._named, self._name_of
-        name = parent  # python_chain's names, its loop written out (every stored block passes here)
-        for tokens_of, h in zip(zip(*[iter(tokens)] * size, strict=False), hashes, strict=True):
-            name = hash((name, tokens_of))
-            block = h & MASK if type(h) is int else external(h)
-            named[name] = block
-            name_of[block] = name
-        if len(named) > self.max_named:
-            for old in list(itertools.islice(named, len(named) // 10)):
-                name_of.pop(named.pop(old), None)
+    def learn(self, event: BlockStored) -> list[int] | None:
+        return self.namer.learn(event)
 
     def matches(self, chain: Sequence[int]) -> dict[str, int]:
         depth = self.index.match(chain, time.monotonic())
