@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -30,10 +32,13 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 import procs  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher  # noqa: E402
+
+from derender.extproc import workers  # noqa: E402
+from derender.routing import kvhub  # noqa: E402
 from derender.routing.kvfeed import FeedSpec  # noqa: E402
 from derender.routing.kvroute import KvRouting  # noqa: E402
 from derender.routing.prefix import BlockHasher  # noqa: E402
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher  # noqa: E402
 
 
 def publish(publisher: ZmqEventPublisher, events_per_s: float, args: argparse.Namespace, stop: threading.Event,
@@ -82,34 +87,43 @@ def publishers(args: argparse.Namespace, folder: str) -> None:
         p.shutdown()
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace, hub: tuple[str, int] | None) -> dict:
+    """One run: the worker's feeds reading the events themselves, or a hub process (``hub``: its
+    socket and pid) reading them and relaying them to the worker (``routing.kvhub``), as ``derender
+    serve`` does."""
     import subprocess
+
+    import psutil
+
+    from derender.ops import metrics
 
     folder = tempfile.mkdtemp(prefix="derender-kv-bench-")
     argv = [sys.executable, __file__, "--publish", folder, *sys.argv[1:]]
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    # The feeds as kv-events routing makes them: each stored block also named for the prompts' lookup
-    # (``KvRouting.learn``), its flood limit lifted.
-    routing = KvRouting(BlockHasher(16), [FeedSpec(f"10.0.0.{i}:8000", f"ipc://{folder}/pub{i}",
-                                                   f"ipc://{folder}/replay{i}") for i in range(args.replicas)])
-    index, feeds = routing.index, list(routing.feeds.values())
-    for feed in feeds:
-        feed.max_rate = 1e9
+    specs = [FeedSpec(f"10.0.0.{i}:8000", f"ipc://{folder}/pub{i}", f"ipc://{folder}/replay{i}")
+             for i in range(args.replicas)]
+    hub_pid = hub[1] if hub else None
+    # The feeds as kv-events routing makes them: each stored block also named for the prompts' lookup.
+    routing = KvRouting(BlockHasher(16), specs, hub=hub[0] if hub else None)
+    index = routing.index
     await asyncio.sleep(3.0)  # the publishers bound (vLLM imported there)
-    for feed in feeds:
-        feed.start()
+    routing.start()
     await asyncio.sleep(1.5)  # subscribed
     assert child.stdin is not None and child.stdout is not None
+    hub_proc = psutil.Process(hub_pid) if hub_pid else None
+    hub0 = procs.cpu_of(hub_proc) if hub_proc else 0.0
     cpu0, wall0 = time.thread_time(), time.monotonic()
     child.stdin.write("go\n")
     child.stdin.flush()
     line = await asyncio.get_running_loop().run_in_executor(None, child.stdout.readline)
     cpu, wall = time.thread_time() - cpu0, time.monotonic() - wall0
-    for feed in feeds:
-        await feed.stop()
+    hub_cpu = procs.cpu_of(hub_proc) - hub0 if hub_proc else 0.0
+    applied = sum(metrics.REGISTRY.get_sample_value("derender_kv_index_batches_total", {"replica": s.replica}) or 0
+                  for s in specs)
+    await routing.stop()
     child.wait(10)
-    applied = sum(f.next_seq or 0 for f in feeds)
-    return {"events": int(line), "batches": applied, "cpu_s": cpu, "wall_s": wall, "index_entries": len(index)}
+    return {"events": int(line), "batches": applied, "cpu_s": cpu, "wall_s": wall, "index_entries": len(index),
+            "hub_cpu_s": hub_cpu}
 
 
 def main() -> int:
@@ -126,28 +140,55 @@ def main() -> int:
     if args.publish:
         publishers(args, args.publish)
         return 0
-    r = asyncio.run(run(args))
-    share = r["cpu_s"] / r["wall_s"]
+    gc.freeze()  # as derender serve does once the model is loaded
+    runs = {}
+    for mode in ("alone", "hub"):
+        before = {s: metrics_value(s) for s in range(args.replicas)}
+        hub = kvhub.start() if mode == "hub" else None  # forked before this process's loop runs
+        loop = workers.new_event_loop()  # a worker's loop (uvloop)
+        runs[mode] = loop.run_until_complete(run(args, hub))
+        loop.close()
+        if hub:
+            os.kill(hub[1], signal.SIGTERM)
+            os.waitpid(hub[1], 0)
+        runs[mode]["batches"] -= sum(before.values())
+    first = runs["alone"]
     lines = [
         "# KV cache events: what reading them costs a worker",
         "",
         f"- date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; command: `.venv/bin/python bench/kv_events.py "
-        f"--rate {args.rate:g} --seconds {args.seconds:g} --replicas {args.replicas}` ({os.cpu_count()} CPUs)",
-        f"- {args.replicas} of vLLM's publishers (`ZmqEventPublisher`, on their threads) send {r['events']} events in "
-        f"{r['batches']} batches ({args.events_per_batch} events a batch: BlockStored of {args.blocks} blocks, and "
-        f"BlockRemoved once a replica's {args.cache_blocks} blocks are full) over {r['wall_s']:.1f} s",
+        f"--rate {args.rate:g} --seconds {args.seconds:g} --replicas {args.replicas} --events-per-batch "
+        f"{args.events_per_batch} --blocks {args.blocks}` ({os.cpu_count()} CPUs)",
+        f"- {args.replicas} of vLLM's publishers (`ZmqEventPublisher`, on their threads) send about {first['events']} "
+        f"events in {first['batches']:.0f} batches a run ({args.events_per_batch} events a batch: BlockStored of "
+        f"{args.blocks} blocks, and BlockRemoved once a replica's {args.cache_blocks} blocks are full) over "
+        f"{first['wall_s']:.1f} s",
+        "- alone: the worker's own feeds read and decode the events and name the blocks (no hub, or the hub is gone);"
+        " hub: `derender serve`'s way, a hub process reads them once and relays them to the workers"
+        " (`routing/kvhub.py`); the worker applies what it relays",
         "",
-        f"| events/s | loop thread CPU s | share of one core | us per event | index entries at the end |",
-        "|---:|---:|---:|---:|---:|",
-        f"| {r['events'] / r['wall_s']:.0f} | {r['cpu_s']:.2f} | {share * 100:.2f} % | "
-        f"{r['cpu_s'] / max(1, r['events']) * 1e6:.2f} | {r['index_entries']} |",
-        "",
+        "| reader | events/s | worker loop CPU s | worker: share of one core | worker: us per event | hub process: share "
+        "of one core | hub: us per event | index entries at the end |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for mode, r in runs.items():
+        share = r["cpu_s"] / r["wall_s"]
+        hub = (f"{r['hub_cpu_s'] / r['wall_s'] * 100:.2f} % | {r['hub_cpu_s'] / max(1, r['events']) * 1e6:.2f}"
+               if mode == "hub" else "- | -")
+        lines.append(f"| {mode} | {r['events'] / r['wall_s']:.0f} | {r['cpu_s']:.2f} | {share * 100:.2f} % | "
+                     f"{r['cpu_s'] / max(1, r['events']) * 1e6:.2f} | {hub} | {r['index_entries']} |")
+    lines.append("")
     text = "\n".join(lines)
     print(text)
     if args.out != "-":
         procs.write_report(lines, args.out)
     return 0
+
+
+def metrics_value(i: int) -> float:
+    from derender.ops import metrics
+
+    return metrics.REGISTRY.get_sample_value("derender_kv_index_batches_total", {"replica": f"10.0.0.{i}:8000"}) or 0
 
 
 if __name__ == "__main__":

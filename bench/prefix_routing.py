@@ -195,8 +195,7 @@ def stored_event(kv, replica: str, ids: list[int]) -> None:
     size = kv.hasher.block_size
     event = BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=ids[: len(hashes) * size],
                         block_size=size, lora_id=None, medium="GPU", lora_name=None)
-    kv.learn(event)
-    kv.index.stored(replica, hashes)
+    kv.apply(replica, [event])
 
 
 def routing_cost(conversations: list[dict], repeats: int = 5) -> dict:

@@ -182,9 +182,9 @@ def test_the_index_is_bounded_and_predictions_expire():
 
 
 def test_a_prompt_is_named_from_the_events_tokens_as_vllm_hashes_it():
-    """Plain prompts find the vLLM hashes of the blocks replicas stored by Python's chain of the events'
-    own tokens (no sha256 on the request path); a salted prompt is hashed vLLM's way. Both equal the
-    filter's BlockHasher (vLLM's chain) as far as any replica holds the blocks."""
+    """Plain prompts find the blocks replicas stored by Python's chain of the events' own tokens (no
+    sha256 on the request path): the index keys them by those names, a removal by vLLM's hash finds
+    its name. A salted prompt is hashed vLLM's way, as its blocks are keyed."""
     from derender.routing.kvindex import external
     from derender.routing.kvroute import KvRouting
     from derender.routing.prefix import BlockHasher
@@ -195,11 +195,19 @@ def test_a_prompt_is_named_from_the_events_tokens_as_vllm_hashes_it():
     vllm = [external(h) for h in hasher.chain(ids)]
     assert kv.chain(ids, None, None, ()) == []  # nothing stored anywhere yet
     for start, end in ((0, 2), (2, 5)):  # two events, the second chained to the first's last block
-        kv.learn(BlockStored(block_hashes=vllm[start:end], parent_block_hash=vllm[start - 1] if start else None,
-                             token_ids=ids[start * 16 : end * 16], block_size=16, lora_id=None, medium="GPU",
-                             lora_name=None))
-    assert kv.chain(ids, None, None, ()) == vllm[:5]  # the sixth block: stored nowhere, not named
-    assert kv.chain(ids[:40], None, None, ()) == vllm[:2]
+        kv.apply(REPLICA, [BlockStored(block_hashes=vllm[start:end], parent_block_hash=vllm[start - 1] if start else None,
+                                       token_ids=ids[start * 16 : end * 16], block_size=16, lora_id=None,
+                                       medium="GPU", lora_name=None)])
+    chain = kv.chain(ids, None, None, ())
+    assert len(chain) == 5 and kv.matches(chain) == {REPLICA: 5}  # the sixth block: stored nowhere, not named
+    assert kv.chain(ids[:40], None, None, ()) == chain[:2]
     other = ids[:16] + [1] * 16 + ids[32:]  # a block changed: the chain breaks there
-    assert kv.chain(other, None, None, ()) == vllm[:1]
-    assert kv.chain(ids, "salt", None, ()) == [external(h) for h in hasher.chain(ids, "salt")]
+    assert kv.chain(other, None, None, ()) == chain[:1]
+    kv.apply(REPLICA, [BlockRemoved(block_hashes=[vllm[3]], medium="GPU")])  # by vLLM's hash: its name goes
+    assert kv.matches(kv.chain(ids, None, None, ())) == {REPLICA: 3}
+    salted = [external(h) for h in hasher.chain(ids, "salt")]
+    assert kv.chain(ids, "salt", None, ()) == salted
+    kv.apply(REPLICA, [BlockStored(block_hashes=salted[:2], parent_block_hash=None, token_ids=ids[:32],
+                                   block_size=16, lora_id=None, medium="GPU", lora_name=None,
+                                   extra_keys=[("salt",), None])])
+    assert kv.matches(kv.chain(ids, "salt", None, ())) == {REPLICA: 2}

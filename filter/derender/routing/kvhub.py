@@ -1,22 +1,22 @@
 """One subscriber per filter process: the hub reads every producer's KV cache events once and relays
-them to the process's workers, decoded and named (``derender serve --routing kv-events``).
+them to the process's workers, decoded and keyed (``derender serve --routing kv-events``).
 
-Each worker used to subscribe itself: every worker decoded every batch with vLLM's msgpack types and
-named every stored block (``kvnames.Namer``), 8.8 us an event of 4 blocks on the worker's own loop
-(``bench/kv_events.py``). The hub, a process of its own forked with the workers, does that once; a
-worker only applies what it relays: blocks already in vLLM's external form and their names, to its
-``KvIndex`` and its names (``KvRouting.relayed``). The view stays in each worker (a decision reads
+A worker reading the events itself decodes every batch with vLLM's msgpack types and names every
+stored block (``kvnames.Namer``): about 9 us an event of 4 blocks on its own loop
+(``bench/kv_events.py``), in every worker. The hub, a process of its own forked with the workers,
+does that once; a worker only applies what it relays, each block already keyed as its ``KvIndex``
+keys it, to the index (``KvRouting.relayed``). The view stays in each worker (a decision reads
 it without leaving the process), so it is the same in every worker and every filter process fed
 the same events.
 
 The channel is a Unix socket in a folder only the filter's user can enter. A frame is 4 bytes of
 length (big-endian) and ``marshal`` data. A worker sends one frame, its subscriptions
 (``[(replica, endpoint, replay, topic, block_size), ...]``); the hub answers with frames of batches,
-``[(replica, ops, batches), ...]`` (``batches``: how many of the replica's batches the ops stand for), each op ``(STORED, blocks, names or None)``, ``(REMOVED, blocks)``,
-``(CLEARED,)`` or ``(LEFT,)`` (the hub's feed left the index: a flood). A worker that subscribes
-after the events began first gets what the hub knows of each replica (``CLEARED``, then its blocks).
-A worker that reads too slowly (``MAX_UNREAD`` bytes waiting) is disconnected, and connects again
-for a fresh copy. If the hub cannot be reached or its connection ends, the worker reads the
+``[(replica, ops, batches), ...]`` (``batches``: how many of the replica's batches the ops stand
+for), each op ``(STORED, keys)``, ``(REMOVED, keys)``, ``(CLEARED,)`` or ``(LEFT,)`` (the hub's feed
+left the index: a flood). A worker that subscribes after the events began first gets what the hub
+knows of each replica (``CLEARED``, then its blocks). A worker that reads too slowly (``MAX_UNREAD``
+bytes waiting) is disconnected. If the hub cannot be reached or its connection ends, the worker reads the
 producers' events itself, as without a hub (its feeds learn the history from the replay sockets).
 """
 
@@ -30,13 +30,12 @@ import signal
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from .kvfeed import Feed, FeedSpec, Standing
-from .kvindex import MASK, KvIndex, external
+from .kvfeed import COALESCE_S, Feed, FeedSpec, Standing
+from .kvindex import KvIndex
 from .kvnames import Namer
 
 log = logging.getLogger("derender.kvevents")
@@ -46,16 +45,13 @@ MAX_SUBSCRIBE = 1 << 20  # bytes of a worker's subscriptions
 SUBSCRIBE_S = 10.0  # seconds a connection may take to send them
 MAX_FRAME = 256 << 20  # bytes of one frame from the hub (a snapshot of a full index: ~30 MB)
 MAX_UNREAD = 64 << 20  # bytes a worker leaves unread before the hub disconnects it
+FLUSH_S = COALESCE_S  # batches wait this long for others, to share a frame and a worker's wake-up
 CHECK_S = 1.0  # a worker checks its replicas' standing (stale: ``Standing.check``) this often
 
 
 def frame(value: Any) -> bytes:
     data = marshal.dumps(value)
     return len(data).to_bytes(4, "big") + data
-
-
-def blocks_of(hashes: Sequence[object]) -> list[int]:
-    return [h & MASK if type(h) is int else external(h) for h in hashes]
 
 
 class Relay:
@@ -75,18 +71,17 @@ class Relay:
 
     def apply(self, replica: str, events: list) -> None:
         ops: list[tuple] = []
-        index, learn = self.index, self.namer.learn
+        index, namer = self.index, self.namer
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                names = learn(event)
-                blocks = blocks_of(event.block_hashes)
-                index.stored(replica, blocks)
-                ops.append((STORED, blocks, names))
+                keys = namer.stored(event)
+                index.stored(replica, keys)
+                ops.append((STORED, keys))
             elif kind is BlockRemoved:
-                blocks = blocks_of(event.block_hashes)
-                index.removed(replica, blocks)
-                ops.append((REMOVED, blocks))
+                keys = namer.removed(event.block_hashes)
+                index.removed(replica, keys)
+                ops.append((REMOVED, keys))
             elif kind is AllBlocksCleared:
                 index.cleared(replica)
                 ops.append((CLEARED,))
@@ -105,46 +100,21 @@ class Relay:
         """What the hub knows of ``replica``, as ops for a worker that knows nothing of it yet."""
         if not in_index:
             return [(LEFT,)]
-        bit, name_of = self.index.bit(replica), self.namer.name_of
-        named: list[int] = []
-        names: list[int] = []
-        plain: list[int] = []
-        for block, owners in self.index.holders.items():
-            if owners & bit:
-                name = name_of.get(block)
-                if name is None:
-                    plain.append(block)
-                else:
-                    named.append(block)
-                    names.append(name)
-        ops: list[tuple] = [(CLEARED,)]
-        if named:
-            ops.append((STORED, named, names))
-        if plain:
-            ops.append((STORED, plain, None))
-        return ops
+        bit = self.index.bit(replica)
+        return [(CLEARED,), (STORED, [key for key, owners in self.index.holders.items() if owners & bit])]
 
 
 class Subscriber:
-    """One worker's connection: the batches for it, sent once per turn of the hub's loop."""
+    """One worker's connection."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.pending: list[tuple[str, list, int]] = []
         self.closed = False
 
-    def add(self, replica: str, ops: list, batches: int) -> None:
+    def write(self, entries: list) -> None:
         if self.closed:
             return
-        if not self.pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.pending.append((replica, ops, batches))
-
-    def flush(self) -> None:
-        if self.closed or not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        self.writer.write(frame(pending))
+        self.writer.write(frame(entries))
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD:
             log.warning("kv-events hub: a worker left %d bytes unread; disconnected", MAX_UNREAD)
             self.close()
@@ -155,22 +125,78 @@ class Subscriber:
             self.writer.transport.abort()
 
 
+class Pending:
+    """A replica's ops since the last frame, netted: only the last ``CLEARED`` or ``LEFT`` counts (it
+    wipes what came before), and each block's last word (stored or removed)."""
+
+    __slots__ = ("batches", "head", "net")
+
+    def __init__(self) -> None:
+        self.head: list[tuple] = []
+        self.net: dict[int, bool] = {}
+        self.batches = 0
+
+    def ops(self) -> list[tuple]:
+        ops = list(self.head)
+        stored = [key for key, held in self.net.items() if held]
+        removed = [key for key, held in self.net.items() if not held]
+        if stored:
+            ops.append((STORED, stored))
+        if removed:
+            ops.append((REMOVED, removed))
+        return ops
+
+
 class Hub:
-    """The feeds of every replica any worker subscribes to, each read once (``kvfeed.Feed``)."""
+    """The feeds of every replica any worker subscribes to, each read once (``kvfeed.Feed``); what they
+    bring is netted per replica and sent to the workers every ``FLUSH_S`` seconds, one frame each."""
 
     def __init__(self, max_blocks: int = 1 << 20) -> None:
         self.max_blocks = max_blocks
         self.relays: dict[int, Relay] = {}  # by block size
         self.feeds: dict[tuple[int, str], Feed] = {}  # (block size, replica) -> its feed
         self.subscribers: dict[tuple[int, str], list[Subscriber]] = {}
+        self.pending: dict[tuple[int, str], Pending] = {}
+        self.timer: asyncio.TimerHandle | None = None
 
     def send(self, block_size: int, replica: str, ops: list, batches: int) -> None:
-        for subscriber in self.subscribers.get((block_size, replica), ()):
-            subscriber.add(replica, ops, batches)
+        key = (block_size, replica)
+        if not self.subscribers.get(key):
+            return
+        pending = self.pending.get(key)
+        if pending is None:
+            pending = self.pending[key] = Pending()
+        net = pending.net
+        for op in ops:
+            kind = op[0]
+            if kind == STORED:
+                net.update(dict.fromkeys(op[1], True))
+            elif kind == REMOVED:
+                net.update(dict.fromkeys(op[1], False))
+            else:
+                pending.head = [op]
+                net.clear()
+        pending.batches += batches
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        pending, self.pending = self.pending, {}
+        frames: dict[Subscriber, list] = {}
+        for key, what in pending.items():
+            entry = (key[1], what.ops(), what.batches)
+            for subscriber in self.subscribers.get(key, ()):
+                frames.setdefault(subscriber, []).append(entry)
+        for subscriber, entries in frames.items():
+            subscriber.write(entries)
 
     def subscribe(self, subscriber: Subscriber, wanted: object) -> None:
         if not isinstance(wanted, list):
             raise TypeError("subscriptions are a list")
+        self.flush()  # what is pending goes to the others first: a copy below already holds it
         for item in wanted:
             replica, endpoint, replay, topic, size = item
             if not (isinstance(replica, str) and isinstance(endpoint, str) and isinstance(topic, str)):
@@ -185,7 +211,7 @@ class Hub:
                 feed.start()
             else:
                 relay = self.relays[size]
-                subscriber.add(replica, relay.snapshot(replica, feed.in_index), relay.batches.get(replica, 0))
+                subscriber.write([(replica, relay.snapshot(replica, feed.in_index), relay.batches.get(replica, 0))])
             self.subscribers.setdefault(key, []).append(subscriber)
 
     async def connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -1,6 +1,8 @@
 """What each producer replica holds in its prefix cache, from vLLM's KV cache events (``kvfeed``).
 
-Blocks are known by vLLM's external block hash: a 64-bit integer (vLLM's default,
+Blocks are known by a 64-bit key (``kvnames.Namer``): a plain block (no salt, adapter or image) by
+its name, Python's hash chain of its tokens, which a prompt's blocks get without hashing vLLM's way;
+any other by vLLM's external block hash: a 64-bit integer (vLLM's default,
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or, from producers that publish bytes, the same 64 bits
 taken from them; the filter's own chain (``prefix.BlockHasher``, vLLM's ``hash_block_tokens``) is
 turned into that form by ``external``. A prompt's match on a replica is the longest leading run of its
@@ -62,21 +64,21 @@ class KvIndex:
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                self.stored(replica, event.block_hashes)
+                self.stored(replica, [external(h) for h in event.block_hashes])
             elif kind is BlockRemoved:
-                self.removed(replica, event.block_hashes)
+                self.removed(replica, [external(h) for h in event.block_hashes])
             elif kind is AllBlocksCleared:
                 self.cleared(replica)
 
     def left(self, replica: str) -> None:
         self.cleared(replica)
 
-    def stored(self, replica: str, hashes: Iterable[object]) -> None:
+    def stored(self, replica: str, blocks: Iterable[int]) -> None:
+        """``replica`` holds these blocks (their keys, ``kvnames.Namer``)."""
         bit = self.bit(replica)
         holders, predicted = self.holders, self.predicted
         added = 0
-        for h in hashes:
-            block = h & MASK if type(h) is int else external(h)
+        for block in blocks:
             owners = holders.get(block, 0)
             if not owners & bit:
                 holders[block] = owners | bit
@@ -89,11 +91,10 @@ class KvIndex:
         if self.entries > self.max_blocks:
             self._shrink()
 
-    def removed(self, replica: str, hashes: Iterable[object]) -> None:
+    def removed(self, replica: str, blocks: Iterable[int]) -> None:
         bit = self.bit(replica)
         holders, predicted = self.holders, self.predicted
-        for h in hashes:
-            block = h & MASK if type(h) is int else external(h)
+        for block in blocks:
             if predicted:
                 guess = predicted.get(block)
                 if guess is not None:

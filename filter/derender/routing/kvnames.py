@@ -25,46 +25,48 @@ def python_chain(ids: Sequence[int], size: int, full: int, parent: int) -> Itera
 
 
 class Namer:
-    """Plain blocks (no salt, adapter or image) named from the events' own tokens as ``python_chain``
-    names a prompt's: name -> vLLM's external hash, and back (a stored block's children are named
-    from their parent's name). At most ``max_named`` names; past it the oldest tenth is forgotten."""
+    """The index's keys for a replica's blocks (``kvindex``): a plain block (no salt, adapter or image)
+    whose parent is known is keyed by its name, Python's hash chain of the event's own tokens as
+    ``python_chain`` names a prompt's blocks; any other block by vLLM's external hash (a prompt that
+    carries a salt, adapter or image is hashed vLLM's way). ``name_of``: vLLM's external hash -> the
+    name, to key a removal and to name a stored run's children from its parent's name. At most
+    ``max_named`` names; past it the oldest tenth is forgotten."""
 
     def __init__(self, block_size: int, max_named: int = 1 << 20) -> None:
         self.block_size = block_size
         self.max_named = max_named
-        self.named: dict[int, int] = {}
         self.name_of: dict[int, int] = {}
 
-    def learn(self, event: BlockStored) -> list[int] | None:
-        """Name a stored run of plain blocks; their names (in the event's order), or None when they
-        cannot be named (not plain, another block size, a parent never seen)."""
+    def stored(self, event: BlockStored) -> list[int]:
+        """The keys of a stored run's blocks, in the event's order (each named if it can be)."""
+        hashes = event.block_hashes
+        blocks = [h & MASK if type(h) is int else external(h) for h in hashes]
         keys = event.extra_keys
         if keys and any(k is not None for k in keys):
-            return None  # a salt, adapter or image: such prompts are hashed vLLM's way (``chain``)
-        size, hashes, tokens = self.block_size, event.block_hashes, event.token_ids
+            return blocks  # a salt, adapter or image: such prompts are hashed vLLM's way (``chain``)
+        size, tokens = self.block_size, event.token_ids
         if event.block_size != size or len(tokens) != size * len(hashes) or not hashes:
-            return None
+            return blocks
+        name_of = self.name_of
         if event.parent_block_hash is None:
-            parent = PLAIN_SEED
+            name = PLAIN_SEED
         else:
-            known = self.name_of.get(external(event.parent_block_hash))
-            if known is None:
-                return None  # its parent was never seen: its prompts match as far as the parent
-            parent = known
-        named, name_of = self.named, self.name_of
+            parent = name_of.get(external(event.parent_block_hash))
+            if parent is None:
+                return blocks  # its parent was never seen: its prompts match as far as the parent
+            name = parent
         names: list[int] = []
-        name = parent  # python_chain's names, its loop written out (every stored block passes here)
-        for tokens_of, h in zip(zip(*[iter(tokens)] * size, strict=False), hashes, strict=True):
+        # python_chain's names, its loop written out (every stored block passes here)
+        for tokens_of, block in zip(zip(*[iter(tokens)] * size, strict=False), blocks, strict=True):
             name = hash((name, tokens_of))
-            block = h & MASK if type(h) is int else external(h)
-            named[name] = block
             name_of[block] = name
             names.append(name)
-        if len(named) > self.max_named:
-            self.shrink()
+        if len(name_of) > self.max_named:
+            for old in list(itertools.islice(name_of, len(name_of) // 10)):
+                del name_of[old]
         return names
 
-    def shrink(self) -> None:
-        named, name_of = self.named, self.name_of
-        for old in list(itertools.islice(named, len(named) // 10)):
-            name_of.pop(named.pop(old), None)
+    def removed(self, hashes: Sequence[object]) -> list[int]:
+        """The keys of removed blocks (named ones by their names)."""
+        name_of = self.name_of
+        return [name_of.get(block, block) for block in (h & MASK if type(h) is int else external(h) for h in hashes)]

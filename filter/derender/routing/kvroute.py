@@ -18,7 +18,6 @@ URL's ``IP:PORT`` (a host name resolved once, at start), as Envoy names the repl
 from __future__ import annotations
 
 import hashlib
-import itertools
 import socket
 import time
 from collections.abc import Sequence
@@ -142,14 +141,13 @@ class KvRouting:
 
     def apply(self, replica: str, events: list) -> None:
         """One batch of a replica's events, read by this process's own feed."""
-        index, learn = self.index, self.namer.learn
+        index, namer = self.index, self.namer
         for event in events:
             kind = type(event)
             if kind is BlockStored:
-                learn(event)
-                index.stored(replica, event.block_hashes)
+                index.stored(replica, namer.stored(event))
             elif kind is BlockRemoved:
-                index.removed(replica, event.block_hashes)
+                index.removed(replica, namer.removed(event.block_hashes))
             elif kind is AllBlocksCleared:
                 index.cleared(replica)
         self._count(replica)
@@ -161,20 +159,20 @@ class KvRouting:
         self.index.cleared(replica)
 
     def relayed(self, batches: list) -> None:
-        """Batches the hub relays (``kvhub.Relay``): ``(replica, ops, batches)``, each op ``(STORED, blocks,
-        names or None)``, ``(REMOVED, blocks)``, ``(CLEARED,)`` or ``(LEFT,)``; blocks in vLLM's
-        external form, named as ``Namer`` names them."""
-        index, named, feeds = self.index, self.namer.named, self.feeds
+        """Batches the hub relays (``kvhub.Relay``): ``(replica, ops, batches)``, each op ``(STORED,
+        keys)``, ``(REMOVED, keys)``, ``(CLEARED,)`` or ``(LEFT,)``, the blocks keyed as ``Namer`` keys
+        them."""
+        index, feeds = self.index, self.feeds
+        counts: dict[str, int] = {}
         for replica, ops, count in batches:
             standing = feeds.get(replica)
             if standing is None:
                 continue
+            counts[replica] = counts.get(replica, 0) + count
             left = False
             for op in ops:
                 kind = op[0]
                 if kind == STORED:
-                    if op[2] is not None:
-                        named.update(zip(op[2], op[1], strict=True))
                     index.stored(replica, op[1])
                 elif kind == REMOVED:
                     index.removed(replica, op[1])
@@ -185,10 +183,8 @@ class KvRouting:
                     left = True
             if not left:
                 standing.alive()
+        for replica, count in counts.items():
             self._count(replica, count)
-        if len(named) > self.namer.max_named:
-            for old in list(itertools.islice(named, len(named) // 10)):
-                del named[old]
 
     def _count(self, replica: str, batches: int = 1) -> None:
         counter = self._applied.get(replica)
@@ -200,7 +196,9 @@ class KvRouting:
     def chain(
         self, ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None, media: Sequence[Media]
     ) -> list[int]:
-        """vLLM's block hashes of the prompt's full blocks, in vLLM's external form.
+        """The index's keys of the prompt's full blocks (``Namer``): a plain prompt's blocks by their
+        names, as far as some replica holds them (or is predicted to); any other prompt's by vLLM's
+        block hashes, in vLLM's external form.
 
         vLLM's chain costs ~1.5 us a block (a pickle and a sha256, even memoized per block it builds a
         key); a conversation's later turns repeat its earlier blocks. So each block is first named by
@@ -211,17 +209,16 @@ class KvRouting:
         size = self.hasher.block_size
         full = min(len(ids) // size, self.chain_blocks)
         seed = (cache_salt, lora, tuple(media))
-        if seed == PLAIN:  # named from the events: the blocks some replica stored, and no more
+        if seed == PLAIN:  # keyed by their names (``Namer``): the blocks some replica holds, and no more
             # python_chain's names, its loop written out here (the request path's hottest loop)
-            named = self.namer.named
+            holders, predicted = self.index.holders, self.index.predicted
             out: list[int] = []
             name = PLAIN_SEED
             for block in zip(*[iter(ids[: full * size])] * size, strict=False):
                 name = hash((name, block))
-                h = named.get(name)
-                if h is None:
+                if name not in holders and name not in predicted:
                     break
-                out.append(h)
+                out.append(name)
             return out
         names = list(python_chain(ids, size, full, hash(seed)))
         memo = self._memo
@@ -247,9 +244,6 @@ class KvRouting:
             memo[names[i]] = (parent, h)
             out.append(h)
         return out
-
-    def learn(self, event: BlockStored) -> list[int] | None:
-        return self.namer.learn(event)
 
     def matches(self, chain: Sequence[int]) -> dict[str, int]:
         depth = self.index.match(chain, time.monotonic())
