@@ -21,6 +21,7 @@ replica, max over mean; and the filter's CPU per routing decision (its request l
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import datetime
 import json
@@ -160,6 +161,7 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
     prompt = sum(s["prompt_tokens"] for s in stats)
     cached = sum(s["cached_prompt_tokens"] for s in stats)
     routing_us = [float(x) for x in re.findall(r"routing_us=([\d.]+)", log)]
+    decisions = collections.Counter(re.findall(r" route=(\w+)", log))
     out = {
         "requests": sum(received),
         "failed": len(failures),
@@ -175,6 +177,7 @@ def one_mode(args: argparse.Namespace, mode: str, conversations: list[dict]) -> 
         "ttft_p50": procs.pct([w for s in stats for w in s["prefill_waits"]], 0.5),
         "ttft_p99": procs.pct([w for s in stats for w in s["prefill_waits"]], 0.99),
         "routing_us_mean": statistics.mean(routing_us) if routing_us else None,
+        "decisions": dict(decisions),  # precise, kv-events: match, bound, key
         "routing_us_p50": procs.pct(routing_us, 0.5) if routing_us else None,
         "routing_us_p99": procs.pct(routing_us, 0.99) if routing_us else None,
     }

@@ -147,10 +147,16 @@ def test_connections_that_break_the_rules_are_closed_and_the_others_keep_their_f
             garbage = b"\x00\x00\x00\x05" + b"\xff" * 5
             oversized = (kvhub.MAX_SUBSCRIBE + 1).to_bytes(4, "big")
             wrong = kvhub.frame([("r", 1, None, "", 16)])  # not a subscription's shape
-            await asyncio.gather(peer(garbage), peer(oversized), peer(wrong), peer(b"\x00\x00"))  # the last: silent
-            assert closed == [b""] * 4
-            # A worker that subscribes and never reads: past MAX_UNREAD bytes waiting, disconnected.
             subscription = kvhub.frame([(spec.replica, spec.endpoint, spec.replay, spec.topic, 16)])
+            bad_load = subscription + kvhub.frame({spec.replica: "many"})
+            big_load = subscription + (kvhub.MAX_LOAD + 1).to_bytes(4, "big")
+            await asyncio.gather(peer(garbage), peer(oversized), peer(wrong), peer(b"\x00\x00"),  # that one: silent
+                                 peer(bad_load), peer(big_load))
+            # each read to its end: closed (the first four before any frame; the last two after the
+            # hub's copy of the replica, sent once they subscribed)
+            assert len(closed) == 6 and closed.count(b"") >= 4
+            assert sum(len(subs) for subs in hub.subscribers.values()) == 1 and len(hub.loads) == 1
+            # A worker that subscribes and never reads: past MAX_UNREAD bytes waiting, disconnected.
             slow_reader = await peer(subscription, read=False)
             big = [(1 << 40) + i for i in range(200)]
             for k in range(400):
@@ -173,6 +179,40 @@ def test_connections_that_break_the_rules_are_closed_and_the_others_keep_their_f
             for feed in hub.feeds.values():
                 await feed.stop()
             pub.shutdown()
+
+    asyncio.run(run())
+
+
+def test_each_worker_counts_the_other_workers_requests_in_flight_as_their_hub_reports_them(where):
+    """kv-events' load bound counts a process's requests in flight, not one worker's: each worker
+    reports its own to the hub, which sends each the sum of the others'; a worker gone counts no more."""
+    from derender.routing.balance import Balancer, PrefixKey
+
+    async def run():
+        hasher = BlockHasher()
+        hub, serving, path = await hub_at(where)
+        workers = [KvRouting(hasher, specs(where), hub=path) for _ in range(3)]
+        balancers = [Balancer("kv-events", PrefixKey(hasher, ()), 1.25, kv) for kv in workers]
+        try:
+            for kv in workers:
+                kv.start()
+            await until(lambda: len(hub.loads) == 3, "three workers")
+            balancers[0].in_flight[REPLICAS[0]] += 3
+            balancers[1].in_flight[REPLICAS[0]] += 1
+            balancers[1].in_flight[REPLICAS[1]] += 2
+            await until(lambda: balancers[2].others == {REPLICAS[0]: 4, REPLICAS[1]: 2}, "the others' sum")
+            await until(lambda: balancers[0].others == {REPLICAS[0]: 1, REPLICAS[1]: 2}, "the others' sum")
+            # The bound now sees 6 requests in flight where worker 2 alone has none: one more on the
+            # first replica would be 5 of 7 over 2 replicas, past 1.25 x the mean.
+            assert balancers[2]._over_bound(REPLICAS[0]) and not balancers[2]._over_bound(REPLICAS[1])
+            await workers[1].stop()  # a worker gone: its requests count no more
+            await until(lambda: balancers[2].others == {REPLICAS[0]: 3, REPLICAS[1]: 0}, "one worker's load")
+        finally:
+            for kv in workers:
+                await kv.stop()
+            serving.cancel()
+            for feed in hub.feeds.values():
+                await feed.stop()
 
     asyncio.run(run())
 

@@ -10,22 +10,28 @@ it without leaving the process), so it is the same in every worker and every fil
 the same events.
 
 The channel is a Unix socket in a folder only the filter's user can enter. A frame is 4 bytes of
-length (big-endian) and ``marshal`` data. A worker sends one frame, its subscriptions
-(``[(replica, endpoint, replay, topic, block_size), ...]``); the hub answers with frames of batches,
-``[(replica, ops, batches), ...]`` (``batches``: how many of the replica's batches the ops stand
-for), each op ``(STORED, keys)``, ``(REMOVED, keys)``, ``(CLEARED,)`` or ``(LEFT,)`` (the hub's feed
-left the index: a flood). A worker that subscribes after the events began first gets what the hub
+length (big-endian) and ``marshal`` data. A worker sends a frame of its subscriptions
+(``[(replica, endpoint, replay, topic, block_size), ...]``), then, whenever they change (at most
+every ``FLUSH_S``), its requests in flight per replica (``{replica: n}``). The hub answers with
+frames of ``(batches, others)``: ``batches`` is ``[(replica, ops, n), ...]`` (``n``: how many of the
+replica's batches the ops stand for), each op ``(STORED, keys)``, ``(REMOVED, keys)``, ``(CLEARED,)``
+or ``(LEFT,)`` (the hub's feed left the index: a flood); ``others`` (or None: unchanged) the other
+workers' requests in flight, summed, which the load bound counts beside the worker's own
+(``balance.Balancer``). A worker that subscribes after the events began first gets what the hub
 knows of each replica (``CLEARED``, then its blocks). A worker that reads too slowly (``MAX_UNREAD``
-bytes waiting) is disconnected. If the hub cannot be reached or its connection ends, the worker reads the
+bytes waiting), or sends what is not its subscriptions or loads, is disconnected.
+If the hub cannot be reached or its connection ends, the worker reads the
 producers' events itself, as without a hub (its feeds learn the history from the replay sockets).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import marshal
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -42,6 +48,8 @@ log = logging.getLogger("derender.kvevents")
 
 STORED, REMOVED, CLEARED, LEFT = 1, 2, 3, 4
 MAX_SUBSCRIBE = 1 << 20  # bytes of a worker's subscriptions
+MAX_LOAD = 64 << 10  # bytes of a worker's frame of its requests in flight
+MAX_REPLICAS = 4096  # replicas in one such frame
 SUBSCRIBE_S = 10.0  # seconds a connection may take to send them
 MAX_FRAME = 256 << 20  # bytes of one frame from the hub (a snapshot of a full index: ~30 MB)
 MAX_UNREAD = 64 << 20  # bytes a worker leaves unread before the hub disconnects it
@@ -111,10 +119,10 @@ class Subscriber:
         self.writer = writer
         self.closed = False
 
-    def write(self, entries: list) -> None:
+    def write(self, entries: list, others: dict[str, int] | None = None) -> None:
         if self.closed:
             return
-        self.writer.write(frame(entries))
+        self.writer.write(frame((entries, others)))
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD:
             log.warning("kv-events hub: a worker left %d bytes unread; disconnected", MAX_UNREAD)
             self.close()
@@ -158,6 +166,22 @@ class Hub:
         self.subscribers: dict[tuple[int, str], list[Subscriber]] = {}
         self.pending: dict[tuple[int, str], Pending] = {}
         self.timer: asyncio.TimerHandle | None = None
+        self.loads: dict[Subscriber, dict[str, int]] = {}  # each worker's requests in flight per replica
+        self.loads_changed = False
+
+    def load(self, subscriber: Subscriber, load: object) -> None:
+        """A worker's requests in flight, per replica: the others get their sum in the next frame."""
+        if not isinstance(load, dict) or len(load) > MAX_REPLICAS:
+            raise TypeError("a load is a mapping of replicas to requests in flight")
+        if not all(isinstance(r, str) and type(n) is int and 0 <= n < 1 << 31 for r, n in load.items()):
+            raise TypeError("a load is a mapping of replicas to requests in flight")
+        self.loads[subscriber] = load
+        self.changed()
+
+    def changed(self) -> None:
+        self.loads_changed = True
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
     def send(self, block_size: int, replica: str, ops: list, batches: int) -> None:
         key = (block_size, replica)
@@ -190,6 +214,15 @@ class Hub:
             entry = (key[1], what.ops(), what.batches)
             for subscriber in self.subscribers.get(key, ()):
                 frames.setdefault(subscriber, []).append(entry)
+        if self.loads_changed:  # every worker gets the sum of the others' loads
+            self.loads_changed = False
+            for subscriber in self.loads:
+                others: dict[str, int] = {}
+                for other, load in self.loads.items():
+                    if other is not subscriber:
+                        for replica, n in load.items():
+                            others[replica] = others.get(replica, 0) + n
+                subscriber.write(frames.pop(subscriber, []), others)
         for subscriber, entries in frames.items():
             subscriber.write(entries)
 
@@ -217,22 +250,29 @@ class Hub:
     async def connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         subscriber = Subscriber(writer)
         try:
-            wanted = await asyncio.wait_for(self._subscriptions(reader), SUBSCRIBE_S)
+            wanted = await asyncio.wait_for(self._read(reader, MAX_SUBSCRIBE), SUBSCRIBE_S)
             self.subscribe(subscriber, wanted)
-            await reader.read(1)  # a worker sends nothing more: until it goes
-        except (OSError, EOFError, ValueError, TypeError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self.loads[subscriber] = {}
+            while True:  # then its loads, until it goes
+                self.load(subscriber, await self._read(reader, MAX_LOAD))
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                log.warning("kv-events hub: a worker's connection ended in a frame")
+        except (OSError, EOFError, ValueError, TypeError, TimeoutError) as exc:
             log.warning("kv-events hub: a worker's connection ended: %s", exc or type(exc).__name__)
         finally:
+            if self.loads.pop(subscriber, None):
+                self.changed()
             for subscribers in self.subscribers.values():
                 if subscriber in subscribers:
                     subscribers.remove(subscriber)
             subscriber.close()
 
     @staticmethod
-    async def _subscriptions(reader: asyncio.StreamReader) -> object:
+    async def _read(reader: asyncio.StreamReader, most: int) -> object:
         size = int.from_bytes(await reader.readexactly(4), "big")
-        if size > MAX_SUBSCRIBE:
-            raise ValueError(f"subscriptions of {size} bytes")
+        if size > most:
+            raise ValueError(f"a frame of {size} bytes")
         return marshal.loads(await reader.readexactly(size))
 
     async def serve(self, sock: socket.socket) -> None:
@@ -253,6 +293,7 @@ def start() -> tuple[str, int]:
     pid = os.fork()
     if pid:
         sock.close()
+        atexit.register(shutil.rmtree, folder, True)  # the serving process's exit (workers leave by os._exit)
         log.info("kv-events hub: pid %d reads the producers' events for the workers (%s)", pid, path)
         return path, pid
     code = 0
@@ -282,6 +323,8 @@ class Relayed(Protocol):
     specs: list[FeedSpec]
     hasher: Any
     feeds: Any
+    in_flight: dict[str, int]
+    others: dict[str, int]
 
     def relayed(self, batches: list) -> None: ...
 
@@ -295,10 +338,11 @@ class HubClient:
         self.path = path
         self.routing = routing
         self.tasks: list[asyncio.Task] = []
+        self.writer: asyncio.StreamWriter | None = None
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.tasks = [loop.create_task(self._run(), name="kv-events hub"), loop.create_task(self._check())]
+        self.tasks = [loop.create_task(self._run(), name="kv-events hub"), loop.create_task(self._tick())]
 
     async def stop(self) -> None:
         for task in self.tasks:
@@ -306,12 +350,22 @@ class HubClient:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.tasks = []
 
-    async def _check(self) -> None:
+    async def _tick(self) -> None:
+        """This worker's requests in flight to the hub when they changed (every ``FLUSH_S``); its
+        replicas' standing checked every ``CHECK_S``."""
+        sent: dict[str, int] = {}
+        checked = time.monotonic()
         while True:
-            await asyncio.sleep(CHECK_S)
+            await asyncio.sleep(FLUSH_S)
+            load = self.routing.in_flight
+            if self.writer is not None and load != sent:
+                sent = dict(load)
+                self.writer.write(frame(sent))
             now = time.monotonic()
-            for standing in list(self.routing.feeds.values()):
-                standing.check(now)
+            if now - checked >= CHECK_S:
+                checked = now
+                for standing in list(self.routing.feeds.values()):
+                    standing.check(now)
 
     async def _run(self) -> None:
         routing = self.routing
@@ -322,24 +376,32 @@ class HubClient:
             self._alone(f"cannot reach the hub ({exc})")
             return
         why = "the hub closed the connection"
+        others = routing.others
         try:
             writer.write(frame([(s.replica, s.endpoint, s.replay, s.topic, size) for s in routing.specs]))
+            self.writer = writer
             while True:
                 length = int.from_bytes(await reader.readexactly(4), "big")
                 if length > MAX_FRAME:
                     raise ValueError(f"a frame of {length} bytes")
-                routing.relayed(marshal.loads(await reader.readexactly(length)))
+                entries, load = marshal.loads(await reader.readexactly(length))
+                routing.relayed(entries)
+                if load is not None:  # in place: the balancer holds this dict
+                    others.clear()
+                    others.update(load)
         except asyncio.IncompleteReadError:
             pass
         except (OSError, EOFError, ValueError, TypeError) as exc:
             why = f"the hub's connection failed ({exc})"
         finally:
+            self.writer = None
             writer.close()
         self._alone(why)
 
     def _alone(self, why: str) -> None:
         """The hub is gone: this worker reads the events itself from now on."""
         log.warning("kv-events routing: %s; this worker reads the producers' events itself", why)
+        self.routing.others.clear()  # and counts only its own requests in flight
         for task in self.tasks:
             if task is not asyncio.current_task():
                 task.cancel()

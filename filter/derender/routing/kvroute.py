@@ -107,6 +107,10 @@ class KvRouting:
             self.feeds = {spec.replica: Standing(spec.replica, self, stale_s) for spec in specs}
         self.chain_blocks = chain_blocks
         self._memo: dict[int, tuple] = {}  # python_chain's name of a block -> (vLLM's hash, its external form)
+        # Requests in flight: this worker's per replica (its ``Balancer``'s, reported to the hub), and
+        # the sum of the other workers' (relayed by the hub; updated in place).
+        self.in_flight: dict[str, int] = {}
+        self.others: dict[str, int] = {}
         self._applied: dict[str, object] = {}  # replica -> its worker-side batches counter, bound once
         self._size = metrics.kv_index_gauge()
 
