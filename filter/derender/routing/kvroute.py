@@ -1,13 +1,15 @@
 """``--routing kv-events``: each request to the replica whose prefix cache holds the longest run of the
 prompt's exact blocks, as the replicas' own KV cache events say (``kvfeed``, ``kvindex``).
 
-The prompt's blocks are vLLM's chain (``prefix.BlockHasher``: ``hash_block_tokens``, the cache salt,
-LoRA adapter and images as vLLM keys them), in vLLM's external form. The replica with the longest
-match is chosen unless it has more of this process's requests in flight than ``bound`` times the
-mean (counting this one); ties go to the fewest in flight, then to a hash of the prefix key and the
-replica's name (the same in every process). No match, or the bound: Envoy's consistent hash on the
-prefix key decides, as in ``prefix`` mode. Every worker and every filter process subscribes to the
-same events, so all decide alike without a shared store (only their own in-flight counts differ).
+The prompt's blocks are keyed as the index keys them (``kvnames``): a plain prompt's by Python's
+chain of its blocks, any other by vLLM's (``prefix.BlockHasher``: ``hash_block_tokens``, the cache
+salt, LoRA adapter and images as vLLM keys them), in vLLM's external form. The replica with the
+longest match is chosen unless it has more requests in flight than ``bound`` times the mean
+(counting this one; the process's workers' requests, as its hub reports them, ``kvhub``); ties go to
+the fewest in flight, then to a hash of the prefix key and the replica's name (the same in every
+process). No match, or the bound: Envoy's consistent hash on the prefix key decides, as in
+``prefix`` mode. Every filter process reads the same events (its hub once for its workers), so all
+decide alike without a shared store (only their in-flight counts differ).
 
 Endpoints: ``--kv-events`` names each producer's PUB socket, in the order of ``--producer``'s URLs:
 ``tcp://HOST:PORT``, or ``:PORT`` for the producer URL's own host; ``--kv-events-replay`` its replay
