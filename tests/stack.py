@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import forkserver
 import yaml
+
 from derender.ops import envoy_config
 from derender.ops.children import Child, free_port, http_ok, tcp_open
 
@@ -53,6 +55,17 @@ def metric_total(url: str, name: str, **labels: str) -> float:
         for sample in family.samples
         if sample.name == name and labels.items() <= sample.labels.items()
     )
+
+
+async def until(check, what: str, timeout: float = 30.0):
+    """``wait_for`` on an event loop: poll ``check`` without blocking the loop the test runs on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not seen within {timeout} s: {what}")
 
 
 def wait_for(check, what: str, timeout: float = 20.0):
@@ -164,7 +177,7 @@ class Redis:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: Proc | None = None
 
-    def start(self) -> "Redis":
+    def start(self) -> Redis:
         self.proc = Proc("redis", [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no"]).start()
         self.proc.wait(lambda: tcp_open(self.port), 30)
@@ -211,7 +224,7 @@ class Stack:
     envoy_url: str = ""
     filter_port: int = 0
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         try:
             sim, self.sim_url = start_sim(self.model_dir, *self.sim_flags)
             self.procs.append(sim)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from stack import Proc, free_port, http_get, http_post, start_envoy, start_filter, start_sim, wait_for
+from stack import Proc, free_port, http_get, http_post, start_envoy, start_filter, start_sim, until, wait_for
 
 CAPACITY = 8
 METRICS_PORT = free_port()
@@ -29,15 +29,6 @@ def served(qwen3_dir: str, *flags: str) -> list[str]:
 
 def stats(sim_url: str) -> dict:
     return json.loads(http_get(sim_url + "/sim/stats")[1])["scheduler"]
-
-
-async def until(condition, what: str, timeout: float = 30) -> None:
-    """Poll ``condition`` without blocking the loop the clients run on."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out: {what}")
-        await asyncio.sleep(0.05)
 
 
 def received(sim_url: str) -> int:

@@ -16,6 +16,8 @@ from derender.routing.kvfeed import Feed, FeedSpec
 from derender.routing.kvindex import KvIndex
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
+from stack import until
+
 REPLICA = "10.0.0.1:8000"
 
 
@@ -32,15 +34,6 @@ def removed(*hashes: int) -> KVEventBatch:
 def counted(outcome: str, why: str = "") -> float:
     labels = {"replica": REPLICA, "outcome": outcome, "why": why}
     return metrics.REGISTRY.get_sample_value("derender_kv_events_batches_total", labels) or 0.0
-
-
-async def until(check, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture()

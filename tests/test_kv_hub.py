@@ -17,16 +17,9 @@ from derender.routing.kvroute import KvRouting
 from derender.routing.prefix import BlockHasher
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
+from stack import until
+
 REPLICAS = ("10.0.0.1:8000", "10.0.0.2:8000")
-
-
-async def until(check, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := check():
-            return result
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stored(hashes: list[int], ids: list[int], parent: int | None) -> BlockStored:
