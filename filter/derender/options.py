@@ -331,6 +331,13 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "(--kv-role), and the filter hands each long prompt's KV from one to the other (default 0: none)",
     )
     up.add_argument(
+        "--filters",
+        type=int,
+        default=1,
+        help="filter processes (each with --workers of its own) behind Envoy's ext_proc cluster, as filter "
+        "replicas run (default 1)",
+    )
+    up.add_argument(
         "--max-connections",
         type=int,
         default=10000,

@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from .extproc import health
@@ -227,25 +228,30 @@ def run(args: argparse.Namespace) -> int:
         traces = getattr(args, "otlp_traces_endpoint", None)
         if traces:
             keys += ["--otlp-traces-endpoint", traces]
-        flt = stack.start(
-            "filter",
-            [
-                *derender,
-                "serve",
-                *model_flags(args),
-                "--port",
-                str(filter_port),
-                "--producer",
-                ",".join(urls),
-                *routing,
-                *workers,
-                *metrics,
-                *keys,
-            ],
-        )
-        flt.wait(
-            lambda: health.check(f"127.0.0.1:{filter_port}", timeout=1), 180 * len(entries or [None])
-        )  # each model loads
+        filter_ports = [filter_port] + [free_port() for _ in range(max(1, getattr(args, "filters", 1)) - 1)]
+        filters = []
+        for i, port in enumerate(filter_ports):  # --filters: filter processes as replicas, each its own
+            more = metrics if i == 0 else []  # the first one's metrics (one --metrics-port)
+            flt = stack.start(
+                "filter" if i == 0 else f"filter{i + 1}",
+                [
+                    *derender,
+                    "serve",
+                    *model_flags(args),
+                    "--port",
+                    str(port),
+                    "--producer",
+                    ",".join(urls),
+                    *routing,
+                    *workers,
+                    *more,
+                    *keys,
+                ],
+            )
+            filters.append(flt)
+        for flt, port in zip(filters, filter_ports, strict=True):  # each model loads
+            address = f"127.0.0.1:{port}"
+            flt.wait(functools.partial(health.check, address, timeout=1), 180 * len(entries or [None]))
 
         clusters = ""
         if entries:
@@ -264,10 +270,15 @@ def run(args: argparse.Namespace) -> int:
             MAX_CONNECTIONS=args.max_connections,
             BODY_LIMIT_BYTES=max(16 << 20, getattr(args, "max_producer_body_bytes", 0)),
         )
-        if traces:  # Envoy's tracer too: its spans are the parents of the filter's
+        if traces or len(filter_ports) > 1:
             import yaml
 
-            config = yaml.safe_dump(envoy_config.add_tracing(yaml.safe_load(config), traces), sort_keys=False)
+            parsed = yaml.safe_load(config)
+            if traces:  # Envoy's tracer too: its spans are the parents of the filter's
+                parsed = envoy_config.add_tracing(parsed, traces)
+            if len(filter_ports) > 1:
+                parsed = envoy_config.add_filter_endpoints(parsed, filter_ports)
+            config = yaml.safe_dump(parsed, sort_keys=False)
         folder = folder or tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
         config_file = Path(folder) / "envoy.yaml"
         config_file.write_text(config)

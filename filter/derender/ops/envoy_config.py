@@ -152,6 +152,18 @@ def producer_cluster(name: str, urls: list[str] | tuple[str, ...], routing: str 
     return cluster
 
 
+def add_filter_endpoints(config: dict, ports: list[int], host: str = "127.0.0.1") -> dict:
+    """``config`` (a parsed Envoy config) with its ext_proc cluster (``derender``) balanced over the
+    filter processes listening on ``ports``."""
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "derender":
+            cluster["load_assignment"]["endpoints"] = [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": p}}}}]}
+                for p in ports
+            ]
+    return config
+
+
 def add_tracing(config: dict, endpoint: str, service: str = "envoy", sampling: float = 100.0) -> dict:
     """``config`` (a parsed Envoy config) with Envoy's OpenTelemetry tracer on every HTTP connection
     manager, exporting over OTLP/gRPC to ``endpoint`` through a cluster of its own (``otlp``);
