@@ -186,16 +186,20 @@ def test_a_prompt_is_named_from_the_events_tokens_as_vllm_hashes_it():
     kv = KvRouting(hasher, [FeedSpec(REPLICA, "ipc:///nowhere")])
     ids = list(range(7000, 7000 + 16 * 6 + 3))
     vllm = [external(h) for h in hasher.chain(ids)]
-    assert kv.chain(ids, None, None, ()) == []  # nothing stored anywhere yet
+    assert len(kv.chain(ids, None, None, ())) == 6 and kv.matches(kv.chain(ids, None, None, ())) == {}  # nowhere yet
     for start, end in ((0, 2), (2, 5)):  # two events, the second chained to the first's last block
         kv.apply(REPLICA, [BlockStored(block_hashes=vllm[start:end], parent_block_hash=vllm[start - 1] if start else None,
                                        token_ids=ids[start * 16 : end * 16], block_size=16, lora_id=None,
                                        medium="GPU", lora_name=None)])
     chain = kv.chain(ids, None, None, ())
-    assert len(chain) == 5 and kv.matches(chain) == {REPLICA: 5}  # the sixth block: stored nowhere, not named
+    assert kv.matches(chain) == {REPLICA: 5}  # the sixth block: stored nowhere
     assert kv.chain(ids[:40], None, None, ()) == chain[:2]
     other = ids[:16] + [1] * 16 + ids[32:]  # a block changed: the chain breaks there
-    assert kv.chain(other, None, None, ()) == chain[:1]
+    assert kv.chain(other, None, None, ())[:1] == chain[:1] and kv.matches(kv.chain(other, None, None, ())) == {
+        REPLICA: 1}
+    kv.started(REPLICA, chain, 5, 6)  # a request for the whole prompt reached it: the sixth predicted
+    assert kv.matches(chain) == {REPLICA: 6}
+    kv.index.predicted.clear()
     kv.apply(REPLICA, [BlockRemoved(block_hashes=[vllm[3]], medium="GPU")])  # by vLLM's hash: its name goes
     assert kv.matches(kv.chain(ids, None, None, ())) == {REPLICA: 3}
     salted = [external(h) for h in hasher.chain(ids, "salt")]

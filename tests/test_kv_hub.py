@@ -190,16 +190,16 @@ def test_each_worker_counts_the_other_workers_requests_in_flight_as_their_hub_re
             for kv in workers:
                 kv.start()
             await until(lambda: len(hub.loads) == 3, "three workers")
-            balancers[0].in_flight[REPLICAS[0]] += 3
+            balancers[0].in_flight[REPLICAS[0]] += 4
             balancers[1].in_flight[REPLICAS[0]] += 1
             balancers[1].in_flight[REPLICAS[1]] += 2
-            await until(lambda: balancers[2].others == {REPLICAS[0]: 4, REPLICAS[1]: 2}, "the others' sum")
+            await until(lambda: balancers[2].others == {REPLICAS[0]: 5, REPLICAS[1]: 2}, "the others' sum")
             await until(lambda: balancers[0].others == {REPLICAS[0]: 1, REPLICAS[1]: 2}, "the others' sum")
-            # The bound now sees 6 requests in flight where worker 2 alone has none: one more on the
-            # first replica would be 5 of 7 over 2 replicas, past 1.25 x the mean.
+            # The bound now sees 7 requests in flight where worker 2 alone has none: one more on the
+            # first replica would be 6 of 8 over 2 replicas, past 1.25 x the mean (5, rounded up).
             assert balancers[2]._over_bound(REPLICAS[0]) and not balancers[2]._over_bound(REPLICAS[1])
             await workers[1].stop()  # a worker gone: its requests count no more
-            await until(lambda: balancers[2].others == {REPLICAS[0]: 3, REPLICAS[1]: 0}, "one worker's load")
+            await until(lambda: balancers[2].others == {REPLICAS[0]: 4, REPLICAS[1]: 0}, "one worker's load")
         finally:
             for kv in workers:
                 await kv.stop()

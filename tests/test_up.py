@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ import pytest
 from openai import AuthenticationError, OpenAI
 
 from derender.ops import children
-from stack import LOGS, free_port, start_sim, wait_for
+from stack import LOGS, free_port, metric_total, start_sim, wait_for
 
 BIN = Path(sys.executable).parent
 
@@ -140,33 +141,67 @@ def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):  # (qwen
                 pass
 
 
+def _start_up(port: int, name: str, *flags: str) -> tuple[subprocess.Popen, object, str]:
+    """`derender up` with ``flags``, its log file, and the temporary folder it was given (nothing of
+    its own may remain there once it stops)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"up-{name}-{os.getpid()}.log", "w+")
+    tmp = tempfile.mkdtemp(prefix="up-tmp-")
+    up = subprocess.Popen([str(BIN / "derender"), "up", "--port", str(port), *flags],
+                          stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "TMPDIR": tmp})
+    return up, log, tmp
+
+
+def _stop_up(up: subprocess.Popen, children: list[psutil.Process], tmp: str) -> None:
+    if up.poll() is None:
+        up.kill()  # a failed assertion: up's children would outlive it
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _conversation(port: int, turns: int = 3) -> list[int | None]:
+    """A conversation's turns through `derender up`: the cached tokens each turn's usage reports."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hello there, replica."}]
+    cached = []
+    for _ in range(turns):
+        r = client.chat.completions.create(model="qwen3", messages=messages)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
+    return cached
+
+
+def _bindable(port: int) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
+def _sim_stats(children: list[psutil.Process]) -> list[dict]:
+    sims = [c for c in children if " sim " in " ".join(c.cmdline())]
+    ports = sorted(int(c.cmdline()[c.cmdline().index("--port") + 1]) for c in sims)
+    return [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats").read()) for p in ports]
+
+
 def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_dir):
     """`derender up --replicas 2 --routing prefix`: two simulators in one Envoy cluster, balanced
     by consistent hashing on the filter's prefix key; a conversation's turns reach one replica."""
     port = free_port()
-    LOGS.mkdir(parents=True, exist_ok=True)
-    log = open(LOGS / f"up-replicas-{os.getpid()}.log", "w+")
-    tmp = tempfile.mkdtemp(prefix="up-tmp-")  # up's own temp directory: nothing may remain in it
-    up = subprocess.Popen(
-        [str(BIN / "derender"), "up", "--port", str(port), "--replicas", "2", "--routing", "prefix", "--workers", "1"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, "TMPDIR": tmp},
-    )
+    up, log, tmp = _start_up(port, "replicas", "--replicas", "2", "--routing", "prefix", "--workers", "1")
     children: list[psutil.Process] = []
     try:
         ready = up.stdout.readline()
         assert "2 producer replicas, prefix routing" in ready, (ready, log.seek(0) or log.read()[-3000:])
         children = _children(up.pid)
-        sims = [c for c in children if " sim " in " ".join(c.cmdline())]
-        ports = sorted(int(c.cmdline()[c.cmdline().index("--port") + 1]) for c in sims)
-        assert len(ports) == 2, [c.cmdline() for c in sims]
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "system", "content": "Be brief. " * 40}, {"role": "user", "content": "Hello there, replica."}]
-        cached = []
-        for _ in range(3):
-            r = client.chat.completions.create(model="qwen3", messages=messages)
-            cached.append(r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else None)
-            messages += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "more"}]
-        stats = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/sim/stats").read()) for p in ports]
+        cached = _conversation(port)
+        stats = _sim_stats(children)
         assert sorted(s["received"] for s in stats) == [0, 3], stats
         # With several replicas the simulated fleet models vLLM's prefix cache and reports its hits,
         # and the client sees them: the later turns find the earlier ones cached.
@@ -183,14 +218,43 @@ def test_up_with_simulated_replicas_routes_a_conversation_to_one_of_them(qwen3_d
             assert noise not in said, (noise, said[-3000:])
         assert said.count("derender.sim: simulator (echo mode, prefix cache of 16384 blocks)") == 2, said[-3000:]
     finally:
-        if up.poll() is None:
-            up.kill()  # a failed assertion: up's children would outlive it
-            for child in children:
-                try:
-                    child.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_up(up, children, tmp)
+
+
+def test_up_with_two_filter_processes_and_kv_events_routing(qwen3_dir):
+    """`derender up --filters 2 --routing kv-events`: two filter processes (each with its KV events hub)
+    behind Envoy's ext_proc cluster; Envoy spreads the requests over both, and each routes a
+    conversation to the replica whose events say it holds it. Nothing remains once it stops."""
+    port, metrics = free_port(), free_port()
+    while metrics + 1 == port or not _bindable(metrics + 1):  # the second filter's metrics port
+        metrics = free_port()
+    up, log, tmp = _start_up(port, "filters", "--replicas", "2", "--routing", "kv-events", "--workers", "1",
+                             "--filters", "2", "--metrics-port", str(metrics))
+    procs: list[psutil.Process] = []
+    try:
+        ready = up.stdout.readline()
+        assert "2 producer replicas, kv-events routing" in ready, (ready, log.seek(0) or log.read()[-3000:])
+        procs = _children(up.pid)
+        filters = [c for c in procs if " serve " in " ".join(c.cmdline())]
+        serving = {c.cmdline()[c.cmdline().index("--port") + 1] for c in filters}
+        assert len(serving) == 2 and len(filters) == 4, [c.cmdline() for c in filters]  # 2 filters, 2 hubs
+        cached = []
+        for _ in range(3):  # three conversations of three turns
+            cached += _conversation(port)
+        stats = _sim_stats(procs)
+        assert sum(s["received"] for s in stats) == 9, stats
+        assert all(c > 0 for i, c in enumerate(cached) if i % 3), cached  # later turns: their replica
+        log.seek(0)
+        routes = [line for line in log.read().splitlines() if " route=" in line]
+        assert len(routes) == 9 and all(" routing=kv-events " in line for line in routes), routes
+        served = [metric_total(f"http://127.0.0.1:{metrics + i}/metrics", "derender_routed_requests_total")
+                  for i in range(2)]
+        assert sum(served) == 9 and min(served) > 0, served  # both filter processes took requests
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+        assert not [f for f in os.listdir(tmp) if f.startswith("derender")], os.listdir(tmp)
+    finally:
+        _stop_up(up, procs, tmp)
 
 
 def test_ports_are_drawn_from_derender_port_range(monkeypatch):

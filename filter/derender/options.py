@@ -287,7 +287,10 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--workers", type=int, default=os.cpu_count() or 1, help="filter processes (default: the CPU count)"
     )
     up.add_argument(
-        "--metrics-port", type=int, default=None, help="the filter's Prometheus metrics port (default: none)"
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="the filter's Prometheus metrics port (default: none; with --filters N, N ports from it)",
     )
     up.add_argument(
         "--otlp-traces-endpoint",

@@ -10,7 +10,6 @@ import signal
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 from .extproc import health
@@ -216,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
         filter_port = args.filter_port or free_port()
         workers = ["--workers", str(args.workers)] if getattr(args, "workers", None) else []
-        metrics = ["--metrics-port", str(args.metrics_port)] if getattr(args, "metrics_port", None) else []
+        metrics_port = getattr(args, "metrics_port", None)
         keys = [flag for key in getattr(args, "api_key", None) or () for flag in ("--api-key", key)]
         if getattr(args, "responses_store", None):
             keys += ["--responses-store", args.responses_store]
@@ -231,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         filter_ports = [filter_port] + [free_port() for _ in range(max(1, getattr(args, "filters", 1)) - 1)]
         filters = []
         for i, port in enumerate(filter_ports):  # --filters: filter processes as replicas, each its own
-            more = metrics if i == 0 else []  # the first one's metrics (one --metrics-port)
+            more = ["--metrics-port", str(metrics_port + i)] if metrics_port else []  # --filters: the next ports
             flt = stack.start(
                 "filter" if i == 0 else f"filter{i + 1}",
                 [

@@ -202,9 +202,9 @@ class KvRouting:
     def chain(
         self, ids: Sequence[int], cache_salt: str | None, lora: tuple[str, str] | None, media: Sequence[Media]
     ) -> list[int]:
-        """The index's keys of the prompt's full blocks (``Namer``): a plain prompt's blocks by their
-        names, as far as some replica holds them (or is predicted to); any other prompt's by vLLM's
-        block hashes, in vLLM's external form.
+        """The index's keys of the prompt's full blocks (``Namer``), at most ``chain_blocks``: a plain
+        prompt's blocks by their names; any other prompt's by vLLM's block hashes, in vLLM's external
+        form.
 
         vLLM's chain costs ~1.5 us a block (a pickle and a sha256, even memoized per block it builds a
         key); a conversation's later turns repeat its earlier blocks. So each block is first named by
@@ -215,15 +215,12 @@ class KvRouting:
         size = self.hasher.block_size
         full = min(len(ids) // size, self.chain_blocks)
         seed = (cache_salt, lora, tuple(media))
-        if seed == PLAIN:  # keyed by their names (``Namer``): the blocks some replica holds, and no more
-            # python_chain's names, its loop written out here (the request path's hottest loop)
-            holders, predicted = self.index.holders, self.index.predicted
+        if seed == PLAIN:  # keyed by their names (``Namer``), every block: the chosen replica is
+            # predicted to hold them all (``started``). python_chain's loop written out here.
             out: list[int] = []
             name = PLAIN_SEED
             for block in zip(*[iter(ids[: full * size])] * size, strict=False):
                 name = hash((name, block))
-                if name not in holders and name not in predicted:
-                    break
                 out.append(name)
             return out
         names = list(python_chain(ids, size, full, hash(seed)))
