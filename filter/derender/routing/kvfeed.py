@@ -3,9 +3,10 @@
 vLLM's ``ZmqEventPublisher`` sends multipart ``(topic, sequence number as 8 bytes big-endian, msgpack
 KVEventBatch)`` on a PUB socket and answers a request for the batches from a sequence number on a
 ROUTER replay socket (each as ``(topic, seq, payload)``, then an end marker of seq -1). A ``Feed`` is
-one SUB socket read on the worker's own event loop (ZMQ's own socket, its descriptor watched by the
-loop; the replay through ``zmq.asyncio``), decoding with vLLM's own types
-(``vllm.distributed.kv_events.KVEventBatch``) into a ``KvIndex``.
+one SUB socket read on the event loop of the process that reads the events (the filter process's hub,
+``kvhub``, or a worker without one; ZMQ's own socket, its descriptor watched by the loop; the replay
+through ``zmq.asyncio``), decoding with vLLM's own types (``vllm.distributed.kv_events.KVEventBatch``)
+for a ``Sink``: the hub's relay, a worker's ``KvRouting``, or a bare ``KvIndex``.
 
 Faults, each counted (``derender_kv_events_*``) and none of them able to stall or end a worker:
 - a gap in the sequence numbers (the feed's start is one: from 0) is filled from the replay socket,

@@ -29,8 +29,9 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from ..ops import kvmetrics as metrics
+from .kvclient import HubClient
 from .kvfeed import Feed, FeedSpec, Standing
-from .kvhub import CLEARED, REMOVED, STORED, HubClient
+from .kvhub import CLEARED, REMOVED, STORED
 from .kvindex import KvIndex, external
 from .kvnames import PLAIN, PLAIN_SEED, Namer, python_chain
 from .prefix import BlockHasher, Media, extra_keys
