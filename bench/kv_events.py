@@ -144,7 +144,11 @@ def main() -> int:
     runs = {}
     for mode in ("alone", "hub"):
         before = {s: metrics_value(s) for s in range(args.replicas)}
-        hub = kvhub.start() if mode == "hub" else None  # forked before this process's loop runs
+        hub = None
+        if mode == "hub":  # forked before this process's loop runs, as derender serve does
+            path, sock = kvhub.listen()
+            hub = (path, workers.fork_helper("kv-events hub", lambda sock=sock: kvhub.Hub().serve(sock)))
+            sock.close()
         loop = workers.new_event_loop()  # a worker's loop (uvloop)
         runs[mode] = loop.run_until_complete(run(args, hub))
         loop.close()

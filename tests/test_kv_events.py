@@ -293,7 +293,7 @@ def test_one_hub_per_filter_process_reads_each_batch_once_and_without_it_the_wor
 
     assert read() == published  # by the hub alone, once
     assert metric_total(f"http://127.0.0.1:{port}/metrics", "derender_kv_index_batches_total") >= 2 * published
-    hub = int(re.search(r"kv-events hub: pid (\d+)", flt.log.read_text()).group(1))
+    hub = int(re.search(r"kv-events hub \(pid (\d+)\)", flt.log.read_text()).group(1))
     os.kill(hub, signal.SIGKILL)
     wait_for(lambda: flt.log.read_text().count("this worker reads the producers' events itself") == 2,
              "both workers on their own feeds")

@@ -586,8 +586,9 @@ def test_stream_interval_sends_the_events_vllms_output_processor_sends(vllm, int
 def test_lockstep_steps_every_request_at_once(vllm):
     """--lockstep: one engine step for every request at once, as one GPU decodes its batch; without
     it each request waits a whole delay from its own arrival. The second of two streams starts half
-    a step after the first's first event: in lockstep its first event comes at the next shared step
-    (half a step later) and each of its events beside one of the first's."""
+    a step after the first's first event: in lockstep its first event comes at a shared step, beside
+    one of the first's, and so does each of its events. (Not when the step comes: on a busy machine
+    the request can reach the simulator after the next step, and wait for the one after it.)"""
     delay = 0.2
 
     async def arrivals(client, started: asyncio.Event | None = None) -> tuple[float, list[float]]:
@@ -610,13 +611,13 @@ def test_lockstep_steps_every_request_at_once(vllm):
         await asyncio.sleep(delay / 2)
         (_, a), (begin, b) = await asyncio.gather(first, arrivals(client))
         assert len(a) == len(b) == len(ANSWER)
-        gaps = sorted(min(abs(t - s) for s in a) for t in b)
-        return b[0] - begin, gaps[len(gaps) // 2]
+        gaps = [min(abs(t - s) for s in a) for t in b]
+        return b[0] - begin, gaps[0], sorted(gaps)[len(gaps) // 2]
 
-    wait, _ = run(sim.build_app(QWEN, delay=delay), two)
+    wait, _, _ = run(sim.build_app(QWEN, delay=delay), two)
     assert wait >= delay  # its own timer: a whole delay before its first event
-    wait, gap = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
-    assert wait < 0.75 * delay and gap < delay / 8, (wait, gap)  # the shared step, half a step away
+    wait, first, gap = run(sim.build_app(QWEN, delay=delay, lockstep=True), two)
+    assert first < delay / 8 and gap < delay / 8, (wait, first, gap)  # the shared steps
 
 
 @pytest.fixture

@@ -126,7 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if hub:  # one reader of the producers' KV events for every worker (routing.kvhub)
         from .routing import kvhub
 
-        routing = replace(routing, kv_hub=kvhub.start()[0])
+        path, sock = kvhub.listen()
+        pid = workers.fork_helper("kv-events hub", lambda: kvhub.Hub().serve(sock))
+        sock.close()
+        print(f"derender: kv-events hub (pid {pid}) reads the producers' events for the workers", file=sys.stderr)
+        routing = replace(routing, kv_hub=path)
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(
         model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process

@@ -71,6 +71,33 @@ def _die_with_parent() -> None:
         pass
 
 
+def fork_helper(name: str, main: Callable[[], Awaitable[None]]) -> int:
+    """Fork a helper process beside the workers (the KV events hub) running ``main`` on an event loop
+    of its own until it is stopped or its parent is gone; its pid. A helper's death does not stop the
+    server: its users carry on without it."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 0
+    try:  # the helper: never returns into the parent's code
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        _die_with_parent()
+        if os.getppid() != parent:
+            os._exit(0)
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main())
+    except BaseException:
+        log.exception("%s failed", name)
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
 def run(serve: Serve, port: int, workers: int) -> int:
     """Serve with ``workers`` processes (forked, sharing ``port``); returns the exit code."""
     if workers > 1 and port == 0:

@@ -32,7 +32,6 @@ import logging
 import marshal
 import os
 import shutil
-import signal
 import socket
 import tempfile
 from typing import Any
@@ -280,37 +279,13 @@ class Hub:
             await server.serve_forever()
 
 
-def start() -> tuple[str, int]:
-    """Fork the hub (before the workers); its socket's path and its pid. Its socket is bound and
-    listening before this returns, so a worker's first connection is never refused."""
-    folder = tempfile.mkdtemp(prefix="derender-kv-hub-")  # 0700: only this user
+def listen() -> tuple[str, socket.socket]:
+    """The hub's socket, bound and listening (before the hub and the workers are forked, so a worker's
+    first connection is never refused), in a folder only this user can enter, removed at exit."""
+    folder = tempfile.mkdtemp(prefix="derender-kv-hub-")  # 0700
     path = os.path.join(folder, "hub.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     sock.listen(64)
-    parent = os.getpid()
-    pid = os.fork()
-    if pid:
-        sock.close()
-        atexit.register(shutil.rmtree, folder, True)  # the serving process's exit (workers leave by os._exit)
-        log.info("kv-events hub: pid %d reads the producers' events for the workers (%s)", pid, path)
-        return path, pid
-    code = 0
-    try:  # the hub: never returns into the parent's code
-        from ..extproc.workers import _die_with_parent, new_event_loop
-
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        _die_with_parent()
-        if os.getppid() != parent:
-            os._exit(0)
-        loop = new_event_loop()
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(Hub().serve(sock))
-    except BaseException:
-        log.exception("kv-events hub failed")
-        code = 1
-    finally:
-        logging.shutdown()
-        os._exit(code)
+    atexit.register(shutil.rmtree, folder, True)  # the serving process's exit (forked ones leave by os._exit)
+    return path, sock
