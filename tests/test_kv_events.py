@@ -237,13 +237,10 @@ def test_a_prompt_goes_to_the_replica_whose_events_say_it_holds_it(fleet):
     assert route["route"] == "match" and int(route["matched_blocks"]) == len(prompt) // 16, route
     assert route["replica"] == f"127.0.0.1:{fleet.sims[other][1].rsplit(':', 1)[1]}", route
     # The prediction, beside what the replica found cached (its usage, --enable-prompt-tokens-details).
+    predicted = metric_total(f"http://127.0.0.1:{fleet.metrics[0]}/metrics",
+                             "derender_routed_predicted_cached_tokens_total", route="match")
+    assert predicted == (len(prompt) // 16) * 16
     text = http_get(f"http://127.0.0.1:{fleet.metrics[0]}/metrics")[1].decode()
-
-    def total(name: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name + "{") and 'route="match"' in line)
-
-    assert total("derender_routed_predicted_cached_tokens_total") == (len(prompt) // 16) * 16
     lag = [line for line in text.splitlines() if line.startswith("derender_kv_events_lag_seconds{")]
     assert len(lag) == 3 and all(0 <= float(line.rsplit(" ", 1)[1]) < 60 for line in lag), lag
 

@@ -21,7 +21,8 @@ from derender.ops import envoy_config
 from derender.routing.balance import Balancer, Decision
 from derender.routing.prefix import BlockHasher, PrefixKey, answer_marker
 
-from stack import Proc, free_port, http_get, http_post, start_cluster_envoy, start_filter, start_sim, wait_for
+from stack import (Proc, free_port, http_get, http_post, metric_total, start_cluster_envoy, start_filter, start_sim,
+                   wait_for)
 
 REPLICAS = 3
 SYSTEM = {t: f"You are the assistant of tenant {t}. " + " ".join(f"rule {t}-{i}: be exact." for i in range(60)) for t in "AB"}
@@ -68,9 +69,7 @@ class Replicas:
     def filter_streams(self) -> float:
         """Exchanges open in the filter (``derender_active_streams``): one closes after its
         routing's in-flight count is released."""
-        text = http_get(f"http://127.0.0.1:{self.metrics}/metrics")[1].decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("derender_active_streams ") or line.startswith("derender_active_streams{"))
+        return metric_total(f"http://127.0.0.1:{self.metrics}/metrics", "derender_active_streams")
 
     def stats(self) -> list[dict]:
         return [json.loads(http_get(url + "/sim/stats")[1]) if proc.popen and proc.popen.poll() is None else None
