@@ -7,7 +7,6 @@ others keep their feed; without a hub a worker reads the events itself."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -55,11 +54,9 @@ def specs(where) -> list[FeedSpec]:
     return [FeedSpec(r, f"ipc://{where}/pub{i}", f"ipc://{where}/replay{i}", "kv") for i, r in enumerate(REPLICAS)]
 
 
-async def hub_at(where) -> tuple[kvhub.Hub, asyncio.Task, str]:
-    path = str(where / "hub.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    sock.listen(8)
+async def serving_hub() -> tuple[kvhub.Hub, asyncio.Task, str]:
+    """A hub on this loop, on its socket as ``derender serve`` makes it."""
+    path, sock = kvhub.listen()
     hub = kvhub.Hub()
     return hub, asyncio.get_running_loop().create_task(hub.serve(sock)), path
 
@@ -71,7 +68,7 @@ def test_workers_fed_by_the_hub_hold_the_view_of_a_worker_that_reads_the_events_
     async def run():
         hasher = BlockHasher()
         pubs = [ZmqEventPublisher(0, endpoint=s.endpoint, replay_endpoint=s.replay, topic="kv") for s in specs(where)]
-        hub, serving, path = await hub_at(where)
+        hub, serving, path = await serving_hub()
         early = KvRouting(hasher, specs(where), hub=path)
         late = KvRouting(hasher, specs(where), hub=path)
         alone = KvRouting(hasher, specs(where))
@@ -123,7 +120,7 @@ def test_connections_that_break_the_rules_are_closed_and_the_others_keep_their_f
         hasher = BlockHasher()
         spec = specs(where)[0]
         pub = ZmqEventPublisher(0, endpoint=spec.endpoint, replay_endpoint=spec.replay, topic="kv")
-        hub, serving, path = await hub_at(where)
+        hub, serving, path = await serving_hub()
         good = KvRouting(hasher, [spec], hub=path)
         try:
             good.start()
@@ -183,7 +180,7 @@ def test_each_worker_counts_the_other_workers_requests_in_flight_as_their_hub_re
 
     async def run():
         hasher = BlockHasher()
-        hub, serving, path = await hub_at(where)
+        hub, serving, path = await serving_hub()
         workers = [KvRouting(hasher, specs(where), hub=path) for _ in range(3)]
         balancers = [Balancer("kv-events", PrefixKey(hasher, ()), 1.25, kv) for kv in workers]
         try:
@@ -220,7 +217,7 @@ def test_without_its_hub_a_worker_reads_the_events_itself(where):
         pub = ZmqEventPublisher(0, endpoint=spec.endpoint, replay_endpoint=spec.replay, topic="kv")
         for batch in batches(hasher, 1):
             pub.publish(batch)
-        hub, serving, path = await hub_at(where)
+        hub, serving, path = await serving_hub()
         kv = KvRouting(hasher, [spec], hub=path)
         try:
             kv.start()

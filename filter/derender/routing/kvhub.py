@@ -15,7 +15,7 @@ length (big-endian) and ``marshal`` data. A worker sends a frame of its subscrip
 every ``FLUSH_S``), its requests in flight per replica (``{replica: n}``). The hub answers with
 frames of ``(batches, others)``: ``batches`` is ``[(replica, ops, n), ...]`` (``n``: how many of the
 replica's batches the ops stand for), each op ``(STORED, keys)``, ``(REMOVED, keys)``, ``(CLEARED,)``
-or ``(LEFT,)`` (the hub's feed left the index: a flood); ``others`` (or None: unchanged) the other
+or ``(LEFT,)`` (the hub's feed left the index: a flood; ``CLEARED`` or ``LEFT`` comes first, if at all); ``others`` (or None: unchanged) the other
 workers' requests in flight, summed, which the load bound counts beside the worker's own
 (``balance.Balancer``). A worker that subscribes after the events began first gets what the hub
 knows of each replica (``CLEARED``, then its blocks). A worker that reads too slowly (``MAX_UNREAD``
@@ -36,15 +36,12 @@ import socket
 import tempfile
 from typing import Any
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
 from .kvfeed import COALESCE_S, Feed, FeedSpec
-from .kvindex import KvIndex
+from .kvindex import CLEARED, LEFT, REMOVED, STORED, KvIndex
 from .kvnames import Namer
 
 log = logging.getLogger("derender.kvevents")
 
-STORED, REMOVED, CLEARED, LEFT = 1, 2, 3, 4
 MAX_SUBSCRIBE = 1 << 20  # bytes of a worker's subscriptions
 MAX_LOAD = 64 << 10  # bytes of a worker's frame of its requests in flight
 MAX_REPLICAS = 4096  # replicas in one such frame
@@ -76,21 +73,8 @@ class Relay:
         return self.index.entries
 
     def apply(self, replica: str, events: list) -> None:
-        ops: list[tuple] = []
-        index, namer = self.index, self.namer
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                keys = namer.stored(event)
-                index.stored(replica, keys)
-                ops.append((STORED, keys))
-            elif kind is BlockRemoved:
-                keys = namer.removed(event.block_hashes)
-                index.removed(replica, keys)
-                ops.append((REMOVED, keys))
-            elif kind is AllBlocksCleared:
-                index.cleared(replica)
-                ops.append((CLEARED,))
+        ops = self.namer.ops(events)
+        self.index.apply_ops(replica, ops)
         self.batches[replica] = self.batches.get(replica, 0) + 1
         self.hub.send(self.block_size, replica, ops, 1)  # no ops: the replica is alive all the same
 
@@ -178,6 +162,10 @@ class Hub:
 
     def changed(self) -> None:
         self.loads_changed = True
+        self._soon()
+
+    def _soon(self) -> None:
+        """A frame to every worker ``FLUSH_S`` from now, with what comes meanwhile."""
         if self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
@@ -199,8 +187,7 @@ class Hub:
                 pending.head = [op]
                 net.clear()
         pending.batches += batches
-        if self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+        self._soon()
 
     def flush(self) -> None:
         if self.timer is not None:

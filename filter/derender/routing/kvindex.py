@@ -20,11 +20,13 @@ replica instead of scattering before the first of them is prefilled.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 MASK = (1 << 64) - 1
+# Ops on the index, as a feed's events become (``event_ops``) and as the hub relays them (``kvhub``).
+STORED, REMOVED, CLEARED, LEFT = 1, 2, 3, 4
 
 
 def external(block_hash: object) -> int:
@@ -34,6 +36,30 @@ def external(block_hash: object) -> int:
     if isinstance(block_hash, (bytes, bytearray, memoryview)):
         return int.from_bytes(bytes(block_hash), "big") & MASK
     raise TypeError(f"a block hash is an int or bytes, not {type(block_hash).__name__}")
+
+
+def external_all(hashes: Iterable[object]) -> list[int]:
+    return [h & MASK if type(h) is int else external(h) for h in hashes]
+
+
+def event_ops(
+    events: Iterable[object],
+    stored: Callable[[BlockStored], list[int]] = lambda event: external_all(event.block_hashes),
+    removed: Callable[[Sequence[object]], list[int]] = external_all,
+) -> list[tuple]:
+    """A batch's events as ops on the index: ``(STORED, keys)``, ``(REMOVED, keys)``, ``(CLEARED,)``;
+    blocks keyed by ``stored`` and ``removed`` (vLLM's external hashes unless ``kvnames.Namer`` names
+    them)."""
+    ops: list[tuple] = []
+    for event in events:
+        kind = type(event)
+        if kind is BlockStored:
+            ops.append((STORED, stored(event)))  # type: ignore[arg-type]
+        elif kind is BlockRemoved:
+            ops.append((REMOVED, removed(event.block_hashes)))  # type: ignore[attr-defined]
+        elif kind is AllBlocksCleared:
+            ops.append((CLEARED,))
+    return ops
 
 
 class KvIndex:
@@ -60,14 +86,18 @@ class KvIndex:
 
     # -- events -------------------------------------------------------------------------------
     def apply(self, replica: str, events: list) -> None:
-        """One batch of a replica's events (``kvfeed.Sink``)."""
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                self.stored(replica, [external(h) for h in event.block_hashes])
-            elif kind is BlockRemoved:
-                self.removed(replica, [external(h) for h in event.block_hashes])
-            elif kind is AllBlocksCleared:
+        """One batch of a replica's events, keyed by vLLM's hashes (``kvfeed.Sink``)."""
+        self.apply_ops(replica, event_ops(events))
+
+    def apply_ops(self, replica: str, ops: Iterable[tuple]) -> None:
+        """``STORED``, ``REMOVED`` and ``CLEARED`` ops, in order (``LEFT`` is its caller's)."""
+        for op in ops:
+            kind = op[0]
+            if kind == STORED:
+                self.stored(replica, op[1])
+            elif kind == REMOVED:
+                self.removed(replica, op[1])
+            elif kind == CLEARED:
                 self.cleared(replica)
 
     def left(self, replica: str) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 from vllm.distributed.kv_events import BlockStored
 
-from .kvindex import MASK, external
+from .kvindex import event_ops, external, external_all
 
 PLAIN = (None, None, ())  # the seed of a prompt's chain without salt, adapter or images
 # Its first block's parent name: a tuple of ints hashes alike in every process (None's hash, before
@@ -42,7 +42,7 @@ class Namer:
     def stored(self, event: BlockStored) -> list[int]:
         """The keys of a stored run's blocks, in the event's order (each named if it can be)."""
         hashes = event.block_hashes
-        blocks = [h & MASK if type(h) is int else external(h) for h in hashes]
+        blocks = external_all(hashes)
         keys = event.extra_keys
         if keys and any(k is not None for k in keys):
             return blocks  # a salt, adapter or image: such prompts are hashed vLLM's way (``chain``)
@@ -71,4 +71,8 @@ class Namer:
     def removed(self, hashes: Sequence[object]) -> list[int]:
         """The keys of removed blocks (named ones by their names)."""
         name_of = self.name_of
-        return [name_of.get(block, block) for block in (h & MASK if type(h) is int else external(h) for h in hashes)]
+        return [name_of.get(block, block) for block in external_all(hashes)]
+
+    def ops(self, events: list) -> list[tuple]:
+        """A batch's events as ops on the index, their blocks keyed by this namer."""
+        return event_ops(events, self.stored, self.removed)

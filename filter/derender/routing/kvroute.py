@@ -25,14 +25,12 @@ import time
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
 from ..ops import kvmetrics as metrics
 from .kvclient import HubClient
 from .kvfeed import Feed, FeedSpec, Standing
-from .kvhub import CLEARED, REMOVED, STORED
-from .kvindex import KvIndex, external
+from .kvindex import LEFT, KvIndex, external
 from .kvnames import PLAIN, PLAIN_SEED, Namer, python_chain
 from .prefix import BlockHasher, Media, extra_keys
 
@@ -148,15 +146,7 @@ class KvRouting:
 
     def apply(self, replica: str, events: list) -> None:
         """One batch of a replica's events, read by this process's own feed."""
-        index, namer = self.index, self.namer
-        for event in events:
-            kind = type(event)
-            if kind is BlockStored:
-                index.stored(replica, namer.stored(event))
-            elif kind is BlockRemoved:
-                index.removed(replica, namer.removed(event.block_hashes))
-            elif kind is AllBlocksCleared:
-                index.cleared(replica)
+        self.index.apply_ops(replica, self.namer.ops(events))
         self._count(replica)
 
     def cleared(self, replica: str) -> None:
@@ -176,20 +166,11 @@ class KvRouting:
             if standing is None:
                 continue
             counts[replica] = counts.get(replica, 0) + count
-            left = False
-            for op in ops:
-                kind = op[0]
-                if kind == STORED:
-                    index.stored(replica, op[1])
-                elif kind == REMOVED:
-                    index.removed(replica, op[1])
-                elif kind == CLEARED:
-                    index.cleared(replica)
-                else:
-                    standing.leave("the hub's feed left", quiet=True)
-                    left = True
-            if not left:
+            if ops and ops[0][0] == LEFT:  # (``CLEARED`` or ``LEFT`` comes first, if at all)
+                standing.leave("the hub's feed left", quiet=True)
+            else:
                 standing.alive()
+            index.apply_ops(replica, ops)
         for replica, count in counts.items():
             self._count(replica, count)
 
