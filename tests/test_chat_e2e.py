@@ -359,6 +359,35 @@ def test_validation_errors_are_vllms_own(sim, data):
     assert (got.status_code, got.json()) == (expected.status_code, expected.json())
 
 
+def test_a_crash_in_vllms_request_validator_is_a_400_here(sim):
+    """`tools: [{}]` with a named `tool_choice`: vLLM's own validator reads `tool["function"]` and its
+    KeyError is vLLM's 500. The body is the client's fault: here a 400 naming the field, in the same
+    shape, and no producer sees it (docs/parity.md pins the difference)."""
+    import argparse
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.openai.chat_completion import api_router
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+
+    data = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "tools": [{}],
+                       "tool_choice": {"type": "function", "function": {"name": "x"}}}).encode()
+    app = FastAPI()
+    app.include_router(api_router.router)
+    init_exception_handler(app)
+    app.state.args = argparse.Namespace(log_error_stack=False)
+    vllms = TestClient(app, raise_server_exceptions=False).post(
+        "/v1/chat/completions", content=data, headers={"content-type": "application/json"})
+    assert vllms.status_code == 500, vllms.text
+    before = sim.sim_received()
+    got = _post_raw(sim, data)
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert (error["type"], error["code"]) == ("BadRequestError", 400)
+    assert "'function'" in error["message"]
+    assert sim.sim_received() == before
+
+
 def test_stream_interval_asks_the_producer_for_fewer_events(qwen3_dir, script, qwen3_tokenizer):
     """`--stream-interval 4`, as `vllm serve --stream-interval 4`: every streaming producer request
     asks for an event every 4 tokens (the simulator groups them as vLLM's output processor does);

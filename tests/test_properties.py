@@ -399,6 +399,8 @@ def mangle(raw: bytes, how: int, at: int) -> bytes:
 @given(body=request, how=st.sampled_from([0, 0, 0, 1, 2, 3]), at=st.integers(0, 10**6))
 @example(body={"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes",
                "tools": [{"type": "function", "function": {"name": "x", "parameters": {}}}]}, how=0, at=0)
+@example(body={"model": "qwen3", "messages": [], "stream": False, "tools": [{}],  # vLLM's validator: KeyError
+               "tool_choice": {"type": "function", "function": {"name": "x"}}}, how=0, at=0)
 def test_request_fuzz_is_refused_cleanly_or_served(sim, body, how, at):
     sim.sim_config(mode="echo")
     raw = mangle(json.dumps(body).encode(), how, at)

@@ -129,6 +129,19 @@ def parse_body(validate: Callable[[Any], T], raw: bytes) -> T:
         return validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    except (KeyError, IndexError, AttributeError) as exc:
+        # A vLLM request model's own validator tripped on a malformed body (``tools: [{}]`` with a
+        # named ``tool_choice``: ``tool["function"]``). vLLM answers 500 for its KeyError; the fault
+        # is the client's body, so here it is a 400 that says what was missing (docs/parity.md).
+        raise HTTPError(400, f"Malformed request body: {_crash_detail(exc)}", "BadRequestError") from None
+
+
+def _crash_detail(exc: Exception) -> str:
+    if isinstance(exc, KeyError):
+        return f"a required field {exc.args[0]!r} is missing" if exc.args else "a required field is missing"
+    if isinstance(exc, IndexError):
+        return "a list is shorter than required"
+    return "a field has the wrong type"
 
 
 def validation_error(exc: ValidationError) -> HTTPError:
