@@ -82,8 +82,9 @@ def memory(proc: Proc) -> list[dict]:
 # gRPC streams per HTTP/2 connection to the ext_proc, as ``envoy/local.yaml`` has it: Envoy opens a
 # connection when its open ones are full, and SO_REUSEPORT spreads connections over the workers.
 STREAMS_PER_CONNECTION = 16
-# Envoy's worker threads (``--concurrency``) in every benchmark Envoy (``bench/run.py --envoy-concurrency``).
-ENVOY_CONCURRENCY = 2
+# Envoy's worker threads (``--concurrency``) in every benchmark Envoy (``bench/run.py --envoy-concurrency``):
+# one, as ``derender up`` and docker-compose.yaml start it.
+ENVOY_CONCURRENCY = 1
 
 
 def _h2_options(cluster: dict) -> dict:

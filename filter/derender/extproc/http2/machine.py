@@ -159,6 +159,15 @@ class Machine:
         self.draining = True
         self.goaway()
 
+    def retire(self) -> None:
+        """A graceful GOAWAY (RFC 9113 6.8): "no new streams, soon", a round trip, then the last id; the
+        open streams finish, then the connection closes. The peer opens another for its next streams."""
+        if self.goaway_phase or self.ending or self.draining:
+            return
+        self.goaway_phase = 1
+        self.goaway(NO_ERROR, LAST_STREAM)
+        self.outbound.control(frame(PING, 0, 0, GOAWAY_PING))
+
     def goaway(self, code: int = NO_ERROR, last: int | None = None) -> None:
         if not self.closed:
             payload = (self.last_stream if last is None else last).to_bytes(4, "big") + code.to_bytes(4, "big")
@@ -661,9 +670,7 @@ class Machine:
                 self._final_goaway()
             elif due is Due.IDLE:
                 self.events.append(Defended(due.value))
-                self.goaway_phase = 1  # RFC 9113 6.8: "no new streams, soon", a round trip, then the last id
-                self.goaway(NO_ERROR, LAST_STREAM)
-                self.outbound.control(frame(PING, 0, 0, GOAWAY_PING))
+                self.retire()
         if self.outbound.control_queued > self.limits.max_control_queue:
             self.fail(ConnectionError_(ENHANCE_YOUR_CALM, "control frames left unread", "control_flood"))
 

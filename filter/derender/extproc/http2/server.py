@@ -100,6 +100,29 @@ class Server:
     def streams(self) -> int:
         return sum(len(c.machine.streams) for c in self.connections)
 
+    def _movable(self) -> list[Connection]:
+        return [
+            c for c in self.connections if c.machine.streams and not c.machine.goaway_phase and not c.machine.ending
+        ]
+
+    def movable(self) -> int:
+        """Connections carrying streams that could be handed to another worker (``retire_one``)."""
+        return len(self._movable())
+
+    def retire_one(self) -> bool:
+        """A graceful GOAWAY on the connection with the most streams: they finish, the peer's next
+        streams go to a new connection (which the kernel may give another worker)."""
+        movable = self._movable()
+        if not movable:
+            return False
+        busiest = max(movable, key=lambda c: len(c.machine.streams))
+        log.info(
+            "handing a connection with %d streams to the other workers (a graceful GOAWAY)",
+            len(busiest.machine.streams),
+        )
+        busiest.retire()
+        return True
+
     async def wait_for_termination(self) -> None:
         await self._stopped.wait()
 
