@@ -1,7 +1,7 @@
 """Metrics, health and request logs of a real filter, through the real Envoy.
 
-The filter runs as ``derender serve --metrics-port`` with its default worker
-count (forked processes: the metrics port sums them). Each test scrapes the
+The filter runs as ``derender serve --metrics-port --workers 2`` (forked
+processes: the metrics port sums them). Each test scrapes the
 metrics port before and after its requests and checks that each series moved
 by what the request implies: token counts come from the tokenizer and from
 the prompt the producer received, never from the filter's own output.
@@ -116,7 +116,8 @@ class MetricsStack:
             self.procs.append(sim)
             self.metrics_port = free_port()
             flt, self.filter_port = start_filter(
-                ["--model", qwen3_dir, *MODEL_FLAGS, "--metrics-port", str(self.metrics_port)], self.sim_url
+                ["--model", qwen3_dir, *MODEL_FLAGS, "--metrics-port", str(self.metrics_port), "--workers", "2"],
+                self.sim_url,
             )
             self.filter = flt
             self.procs.append(flt)

@@ -40,7 +40,9 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda ðŸ¤– ä½
 
 @pytest.fixture(scope="module")
 def soak_stack(qwen3_dir):
-    s = Stack(qwen3_dir, ["--served-model-name", "qwen3", "--max-model-len", "4096"], ["--mode", "echo"]).start()
+    # Two workers from the start (--workers auto would start one): the soak checks load spreads over them.
+    s = Stack(qwen3_dir, ["--served-model-name", "qwen3", "--max-model-len", "4096", "--workers", "2"],
+              ["--mode", "echo"]).start()
     yield s
     s.stop()
 
