@@ -69,7 +69,7 @@ def test_a_long_chat_renders_to_vllms_prompt(models, qwen3_tokenizer, truncate):
     from derender.translate.render import render_chat
 
     ours, plain = models
-    text = "Tell me about it. " + "The report lists revenue, costs and risks per region; 12 of 40 items are late. " * 600
+    text = f"Tell me about it ({truncate}). " + "The report lists revenue, costs and risks per region; 12 of 40 items are late. " * 600  # new each time: the memo holds what came before
     body = {"model": "qwen3", "messages": [{"role": "user", "content": text}], "max_tokens": 10}
     if truncate is not None:
         body["truncate_prompt_tokens"] = truncate

@@ -254,6 +254,8 @@ async def serve(
     for backend in router.backends:
         if backend.model is not None:
             await warm_up(backend.model)
+            if backend.model.prompt_memo is not None and metrics.enabled():
+                backend.model.prompt_memo.observe = metrics.prompt_memo
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
     processor = kind(router, auth.ApiKeys(settings.api_keys))

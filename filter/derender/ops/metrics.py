@@ -262,6 +262,22 @@ def defence(name: str) -> None:
     DEFENCES.labels(name).inc()
 
 
+PROMPT_MEMO_TOKENS = Counter(
+    "derender_prompt_memo_tokens",
+    "Tokens of prompts of 2,000+ characters by where their ids came from: held (the prefix memo kept them "
+    "from an earlier request to this worker) or tokenized",
+    ["source"],
+    registry=REGISTRY,
+)
+
+
+def prompt_memo(held: int, tokenized: int) -> None:
+    """A long prompt went through the prefix memo (``translate.prefixmemo.PrefixMemo.observe``)."""
+    if held:
+        PROMPT_MEMO_TOKENS.labels("held").inc(held)
+    PROMPT_MEMO_TOKENS.labels("tokenized").inc(tokenized)
+
+
 def producer_error(kind: str) -> None:
     PRODUCER_ERRORS.labels(kind).inc()
 

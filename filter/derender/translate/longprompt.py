@@ -30,7 +30,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import vllm_seams
+from . import prefixmemo, vllm_seams
 
 log = logging.getLogger("derender.longprompt")
 
@@ -164,36 +164,62 @@ def encode(tokenizer: Any, parts: list[str]) -> list[int]:
     return [i for piece in (*head, *rest) for i in piece]
 
 
-# Prompts this process tokenized in pieces (for tests and the curious).
+def encode_each(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """The ids of each text on its own (``prefixmemo``): long ones in checked pieces on two threads."""
+    global split_prompts
+    out: list[list[int] | None] = [None] * len(texts)
+    short: list[int] = []
+    for k, text in enumerate(texts):
+        if len(text) >= MIN_CHARS and len(parts := pieces(tokenizer, text)) > 1:
+            out[k] = encode(tokenizer, parts)
+            split_prompts += 1
+        else:
+            short.append(k)
+    if short:
+        batch = tokenizer([texts[k] for k in short], add_special_tokens=False)["input_ids"]
+        for k, ids in zip(short, batch, strict=True):
+            out[k] = ids
+    return [ids or [] for ids in out]
+
+
+# Texts (prompts, or a prompt's new part after what the prefix memo held) this process tokenized
+# in pieces on two threads (for tests and the curious).
 split_prompts = 0
 
 
-def install(renderer: Any) -> bool:
-    """Route the renderer's long text prompts through ``pieces`` and ``encode``; False if unsafe."""
+def install(renderer: Any) -> tuple[bool, prefixmemo.PrefixMemo | None]:
+    """Route the renderer's long text prompts through its prefix memo, else ``pieces`` and ``encode``.
+    (False, None) if the tokenizer is not known to split safely; the memo is None where it cannot be cut."""
 
     tokenizer = renderer.get_tokenizer()
     if not splittable(tokenizer):
         log.info("long prompts are tokenized in one call (tokenizer not known to split safely)")
-        return False
+        return False, None
     original = vllm_seams.renderer_tokenize_prompt(renderer)
+    markers = prefixmemo.boundaries(tokenizer)
+    memo = prefixmemo.PrefixMemo(markers, lambda texts: encode_each(tokenizer, texts)) if markers else None
 
     def tokenize_prompt(prompt: Any, params: Any) -> Any:
+        global split_prompts
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        if not isinstance(text, str) or len(text) < MIN_CHARS:
+        if not isinstance(text, str) or len(text) < min(MIN_CHARS, prefixmemo.MIN_CHARS):
             return original(prompt, params)
         kwargs = params.get_encode_kwargs()
         if kwargs.get("add_special_tokens") or vllm_seams.renderer_wants_offsets(renderer, prompt, params):
             return original(prompt, params)
-        parts = pieces(tokenizer, text)
-        if len(parts) < 2:
-            return original(prompt, params)
-        ids = encode(tokenizer, parts)
-        global split_prompts
-        split_prompts += 1
+        ids = memo.encode(text) if memo is not None and len(text) >= prefixmemo.MIN_CHARS else None
+        if ids is None:
+            if len(text) < MIN_CHARS:
+                return original(prompt, params)
+            parts = pieces(tokenizer, text)
+            if len(parts) < 2:
+                return original(prompt, params)
+            ids = encode(tokenizer, parts)
+            split_prompts += 1
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
         if limit is not None and len(ids) > limit:  # as the tokenizer truncates one sequence
             ids = ids[:limit] if tokenizer.truncation_side == "right" else ids[-limit:]
         return vllm_seams.renderer_tokens_prompt(renderer, ids, prompt)
 
     vllm_seams.set_renderer_tokenize_prompt(renderer, tokenize_prompt)
-    return True
+    return True, memo

@@ -199,7 +199,8 @@ class Model:
         self.prompt_tokens_details: bool = bool(args.enable_prompt_tokens_details)
         # vllm serve --stream-interval: every streaming producer request asks for an event every N tokens.
         self.stream_interval: int = args.stream_interval
-        self.long_prompts = longprompt.install(self.renderer)
+        # Long prompts tokenized in pieces, an agent's repeated prefix from memory (its memo, if any).
+        self.long_prompts, self.prompt_memo = longprompt.install(self.renderer)
         for problem in vllm_seams.check_once():
             log.warning("%s; the filter falls back to vLLM's own path where it can", problem)
         self._warm_up()
