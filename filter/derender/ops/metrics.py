@@ -264,7 +264,7 @@ def defence(name: str) -> None:
 
 PROMPT_MEMO_TOKENS = Counter(
     "derender_prompt_memo_tokens",
-    "Tokens of prompts of 2,000+ characters by where their ids came from: held (the prefix memo kept them "
+    "Tokens of prompts of 500+ characters by where their ids came from: held (the prefix memo kept them "
     "from an earlier request to this worker) or tokenized",
     ["source"],
     registry=REGISTRY,

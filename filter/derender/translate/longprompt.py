@@ -176,7 +176,12 @@ def encode_each(tokenizer: Any, texts: list[str]) -> list[list[int]]:
         else:
             short.append(k)
     if short:
-        batch = tokenizer([texts[k] for k in short], add_special_tokens=False)["input_ids"]
+        backend = vllm_seams.raw_tokenizer(tokenizer)
+        if backend.truncation is None and backend.padding is None:  # as the tokenizer's own call sets them
+            # one at a time: a batch is spread over threads, which costs more CPU for short texts
+            batch = [backend.encode_batch_fast([texts[k]], add_special_tokens=False)[0].ids for k in short]
+        else:
+            batch = tokenizer([texts[k] for k in short], add_special_tokens=False)["input_ids"]
         for k, ids in zip(short, batch, strict=True):
             out[k] = ids
     return [ids or [] for ids in out]

@@ -32,16 +32,17 @@ from typing import Any
 
 from . import vllm_seams
 
-MIN_CHARS = 2_000  # shorter prompts are tokenized whole, as vLLM does
+MIN_CHARS = 500  # shorter prompts are tokenized whole, as vLLM does
 BUDGET_IDS = 4_000_000  # ids held per worker (16 MiB), the least recently used dropped first
+ENTRY_IDS = 32  # what a held piece costs beside its ids (its key, its array), counted as ids
 
 
 def boundaries(tokenizer: Any) -> list[str]:
     """The special added tokens a prompt may be cut before (see the module doc); [] if none."""
-    backend = getattr(vllm_seams.raw_tokenizer(tokenizer), "to_str", None)
-    if backend is None:
-        return []
-    spec = json.loads(backend())
+    backend = vllm_seams.raw_tokenizer(tokenizer)
+    if not hasattr(backend, "to_str") or getattr(tokenizer, "split_special_tokens", False):
+        return []  # not a fast tokenizer, or one told to read special tokens' text as text
+    spec = json.loads(backend.to_str())
     added = spec.get("added_tokens") or ()
     contents = [token.get("content") or "" for token in added]
     normalizer = spec.get("normalizer")
@@ -111,10 +112,10 @@ class PrefixMemo:
             for key, piece_ids in zip(keys[known:], fresh, strict=True):
                 if key not in self._held:
                     self._held[key] = array("i", piece_ids)
-                    self.held_ids += len(piece_ids)
+                    self.held_ids += len(piece_ids) + ENTRY_IDS
             while self.held_ids > BUDGET_IDS and self._held:
                 _, dropped = self._held.popitem(last=False)
-                self.held_ids -= len(dropped)
+                self.held_ids -= len(dropped) + ENTRY_IDS
         held_count = len(ids)
         for piece_ids in fresh:
             ids.extend(piece_ids)
