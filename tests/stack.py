@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,6 +124,26 @@ def start_filter(model_flags: list[str], producer: str, port: int | None = None)
     flt = Proc("filter", [*DERENDER, "serve", *model_flags, "--port", str(port), "--producer", producer]).start()
     flt.wait(lambda: tcp_open(port), 240)
     return flt, port
+
+
+@contextlib.contextmanager
+def served_behind_envoy(name: str, model_dir: str, flags: list[str], sim_flags: tuple[str, ...] = (),
+                        ready: Callable[[Proc], bool] | None = None) -> Iterator[tuple[Proc, int, str]]:
+    """A simulator, ``derender serve`` (qwen3's name, ``flags`` added) and Envoy in front:
+    (the filter's process, its port, Envoy's URL); ``ready``: what else to wait for before Envoy."""
+    sim, sim_url = start_sim(model_dir, *sim_flags)
+    port = free_port()
+    flt = Proc(name, [*DERENDER, "serve", "--model", model_dir, "--served-model-name", "qwen3",
+                      "--port", str(port), "--producer", sim_url, *flags]).start()
+    procs = [sim, flt]
+    try:
+        flt.wait(lambda: tcp_open(port) and (ready is None or ready(flt)), 300)
+        envoy, base = start_envoy(port, sim_url)
+        procs.append(envoy)
+        yield flt, port, base
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None, **values) -> tuple[Proc, str]:

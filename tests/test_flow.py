@@ -16,8 +16,18 @@ import anthropic
 import httpx
 import openai
 import pytest
-
-from stack import Proc, free_port, http_get, http_post, start_envoy, start_filter, start_sim, until, wait_for
+from stack import (
+    Proc,
+    free_port,
+    http_get,
+    http_post,
+    metric_total,
+    start_envoy,
+    start_filter,
+    start_sim,
+    until,
+    wait_for,
+)
 
 CAPACITY = 8
 METRICS_PORT = free_port()
@@ -195,10 +205,12 @@ def test_one_keys_flood_does_not_hold_back_another_keys_chats(knobs):
 
 
 def test_a_higher_band_is_served_first(knobs):
-    """Eight long answers fill the producer, ending one at a time; three requests that asked for a
-    lower band (vLLM's ``priority`` 5) wait, then one of band 0: the first room goes to it."""
+    """Eight answers fill the producer and are held there; three requests that asked for a lower band
+    (vLLM's ``priority`` 5) wait, then one of band 0; once all four wait in the filter's queue the
+    answers go on, ending one at a time: the first room goes to band 0."""
     fleet = knobs
-    fleet.config(delay=0.02)
+    fleet.config(delay=0.02, hold_after=1)
+    waiting = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 
     async def run() -> None:
         async with httpx.AsyncClient(base_url=fleet.base, timeout=60) as client:
@@ -212,6 +224,12 @@ def test_a_higher_band_is_served_first(knobs):
                 late.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat(f"batch-{i}", priority=5))))
                 await asyncio.sleep(0.1)
             late.append(asyncio.create_task(client.post("/v1/chat/completions", json=chat("urgent-0"))))
+            # what the order depends on: all four waiting before any room opens (not how fast they got here)
+            await until(lambda: metric_total(waiting, "derender_queue_waiting_requests") == 4, "the four queued")
+            fleet.config(hold_after=None)
+            while not all(t.done() for t in fill):  # any held late in its first event goes on too
+                fleet.release()
+                await asyncio.sleep(0.1)
             answers = await asyncio.gather(*fill, *late)
             assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
 

@@ -13,11 +13,11 @@ import asyncio
 import json
 
 import pytest
-from derender.translate import longprompt, prefixmemo
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_long_prompts import SEGMENT
 
+from derender.translate import longprompt, prefixmemo
 
 # boundaries() reads the whole tokenizer (a second for gpt-oss's): once per tokenizer, which is
 # kept here so that its id is not another's.
@@ -76,8 +76,9 @@ def test_held_ids_stay_within_the_budget(qwen3_dir, monkeypatch):
 @pytest.fixture(scope="module")
 def models(qwen3_dir):
     """The filter's model (memo installed) and one whose renderer is vLLM's, untouched."""
-    from derender.translate.model import Model, ModelSpec
     from vllm.utils.async_utils import make_async
+
+    from derender.translate.model import Model, ModelSpec
 
     spec = ModelSpec(model=qwen3_dir, served_model_name=("qwen3",), max_model_len=40960,
                      tool_call_parser="hermes", enable_auto_tool_choice=True)

@@ -14,7 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-from stack import DERENDER, Proc, free_port, start_envoy, start_sim, tcp_open
+from stack import served_behind_envoy
 
 from derender.extproc import scale
 from derender.extproc.scale import FORK, MOVE, Reading, Scaler
@@ -86,22 +86,9 @@ def _envoy_connections(pid: int, port: int) -> int:
 
 @pytest.fixture(scope="module")
 def auto_stack(qwen3_dir):
-    sim, sim_url = start_sim(qwen3_dir, "--delay", "0.02")
-    port = free_port()
-    flt = Proc(
-        "filter-auto",
-        [*DERENDER, "serve", "--model", qwen3_dir, "--served-model-name", "qwen3",
-         "--port", str(port), "--producer", sim_url, "--workers", "auto", "--max-workers", "2", "--scale-busy", "0.03"],
-    ).start()
-    procs = [sim, flt]
-    try:
-        flt.wait(lambda: tcp_open(port), 300)
-        envoy, base = start_envoy(port, sim_url)
-        procs.append(envoy)
-        yield flt, port, base
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    flags = ["--workers", "auto", "--max-workers", "2", "--scale-busy", "0.03"]
+    with served_behind_envoy("filter-auto", qwen3_dir, flags, sim_flags=("--delay", "0.02")) as stack:
+        yield stack
 
 
 def test_auto_starts_one_worker_then_adds_one_that_takes_connections(auto_stack):

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from stack import DERENDER, Proc, free_port, start_envoy, start_sim, tcp_open
+from stack import DERENDER, Proc, free_port, served_behind_envoy, tcp_open
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -29,21 +29,9 @@ def _wait_for(check, timeout: float = 30) -> bool:
 
 @pytest.fixture(scope="module")
 def workers_stack(qwen3_dir):
-    sim, sim_url = start_sim(qwen3_dir)
-    port = free_port()
-    flt = Proc(
-        "filter-workers",
-        [*DERENDER, "serve", "--model", qwen3_dir, "--served-model-name", "qwen3", "--port", str(port), "--producer", sim_url, "--workers", "2"],
-    ).start()
-    procs = [sim, flt]
-    try:
-        flt.wait(lambda: tcp_open(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
-        envoy, base = start_envoy(port, sim_url)
-        procs.append(envoy)
-        yield flt, port, base
-    finally:
-        for p in reversed(procs):
-            p.stop()
+    two = lambda flt: len(psutil.Process(flt.proc.pid).children()) == 2  # noqa: E731
+    with served_behind_envoy("filter-workers", qwen3_dir, ["--workers", "2"], ready=two) as stack:
+        yield stack
 
 
 def test_every_worker_listens_on_the_one_port(workers_stack):
