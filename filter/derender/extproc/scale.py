@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import mmap
 import os
 import struct
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-WINDOW = 10.0  # seconds a busy ratio covers; a worker younger than this is not judged busy
+from ..ops.busy import WINDOW, BusyRatio  # a worker younger than WINDOW is not judged busy
+
 EVERY = 1.0  # seconds between a worker's reports and the supervisor's decisions
 MOVE_SETTLE = 2.0  # seconds between two connections moved (the last one's streams end, Envoy reconnects)
 BUSY_AT = 0.7  # the busy ratio past which a worker is full (docs/performance.md)
@@ -112,25 +111,6 @@ class Scaler:
         return None
 
 
-class Busy:
-    """The share of the last ``window`` seconds this thread was on a CPU."""
-
-    def __init__(self, window: float = WINDOW) -> None:
-        self.window = window
-        self._history: collections.deque[tuple[float, float]] = collections.deque(
-            [(time.monotonic(), time.thread_time())]
-        )
-
-    def sample(self) -> float:
-        wall, cpu = time.monotonic(), time.thread_time()
-        history = self._history
-        history.append((wall, cpu))
-        while len(history) > 2 and wall - history[1][0] >= self.window:
-            history.popleft()
-        first_wall, first_cpu = history[0]
-        return min(1.0, (cpu - first_cpu) / (wall - first_wall)) if wall > first_wall else 0.0
-
-
 # The worker's seat on the board: set in a worker that ``workers.run`` forked with a board.
 _seat: tuple[Board, int] | None = None
 
@@ -151,8 +131,8 @@ def start(connections: Callable[[], int], move_one: Callable[[], bool]) -> async
 
 
 async def _report(board: Board, slot: int, connections: Callable[[], int], move_one: Callable[[], bool]) -> None:
-    busy = Busy()
-    board.report(slot, 0.0, connections())
+    busy = BusyRatio(WINDOW)
+    board.report(slot, busy.sample(), connections())  # 0.0: the window's first sample
     seen = board.moves(slot)
     while True:
         await asyncio.sleep(EVERY)

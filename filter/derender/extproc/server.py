@@ -286,9 +286,12 @@ async def serve(
     metrics.start_server()
     tracing.configure(settings.otlp_traces_endpoint, settings.trace_sample_ratio)
     watch = loopwatch.start()
-    sizing = (  # --workers auto: this worker's reports to the supervisor, and its connections handed on when asked
-        scale.start(server.movable, server.retire_one) if isinstance(server, http2.Server) else scale.start(int, bool)
-    )
+    # --workers auto: this worker's reports to the supervisor, and its connections handed on when asked
+    # (grpc.aio's server cannot hand a connection on: it reports its loop's busy ratio alone).
+    if isinstance(server, http2.Server):
+        sizing = scale.start(server.movable, server.retire_one)
+    else:
+        sizing = scale.start(lambda: 0, lambda: False)
     feeds = [b.balancer.kv for b in router.backends if b.balancer is not None and b.balancer.kv is not None]
     for kv in feeds:  # kv-events routing: each producer's KV cache events, read on this loop
         kv.start()

@@ -16,13 +16,11 @@ of every stream it holds runs there. Two numbers say how close it is to full:
 from __future__ import annotations
 
 import asyncio
-import collections
-import time
 
 from . import metrics
+from .busy import WINDOW, BusyRatio
 
 TICK = 0.1  # seconds between ticks
-WINDOW = 10.0  # seconds the busy ratio covers
 
 
 class LoopWatch:
@@ -31,19 +29,12 @@ class LoopWatch:
     def __init__(self, window: float = WINDOW) -> None:
         self.window = window
         self._busy = metrics.loop_busy()
-        self._history: collections.deque[tuple[float, float]] = collections.deque()  # (wall, thread CPU)
+        self._ratio = BusyRatio(window)
 
     def sample(self, lag: float, wall: float | None = None, cpu: float | None = None) -> float:
         """One tick ``lag`` seconds late; returns the busy ratio over the window so far."""
-        wall = time.monotonic() if wall is None else wall
-        cpu = time.thread_time() if cpu is None else cpu
         metrics.LOOP_LAG.observe(max(lag, 0.0))
-        history = self._history
-        history.append((wall, cpu))
-        while len(history) > 2 and wall - history[1][0] >= self.window:
-            history.popleft()
-        first_wall, first_cpu = history[0]
-        ratio = min(1.0, (cpu - first_cpu) / (wall - first_wall)) if wall > first_wall else 0.0
+        ratio = self._ratio.sample(wall, cpu)
         self._busy.set(ratio)
         return ratio
 

@@ -203,11 +203,12 @@ def install(renderer: Any) -> tuple[bool, prefixmemo.PrefixMemo | None]:
     original = vllm_seams.renderer_tokenize_prompt(renderer)
     markers = prefixmemo.boundaries(tokenizer)
     memo = prefixmemo.PrefixMemo(markers, lambda texts: encode_each(tokenizer, texts)) if markers else None
+    shortest = min(MIN_CHARS, prefixmemo.MIN_CHARS) if memo is not None else MIN_CHARS  # shorter: vLLM's call
 
     def tokenize_prompt(prompt: Any, params: Any) -> Any:
         global split_prompts
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
-        if not isinstance(text, str) or len(text) < min(MIN_CHARS, prefixmemo.MIN_CHARS):
+        if not isinstance(text, str) or len(text) < shortest:
             return original(prompt, params)
         kwargs = params.get_encode_kwargs()
         if kwargs.get("add_special_tokens") or vllm_seams.renderer_wants_offsets(renderer, prompt, params):
