@@ -81,6 +81,7 @@ def main() -> int:
     parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean")
     parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
                         help="which API the streams are asked through (default chat)")
+    parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (uvloop, the tokenizer); it pauses the worker for each sample")
     parser.add_argument("--out", default=str(BENCH / "PROFILE_PACED.md"), help="the report ('-': stdout only)")
     args = parser.parse_args()
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
@@ -108,7 +109,7 @@ def main() -> int:
         loader.start()
         stats0, cpu0 = envoy.stats(), server.cpu()
         spied = subprocess.run([spy, "record", "-p", str(server.pid), "-r", "200", "-d", str(args.seconds), "--threads",
-                                "--nonblocking", "--format", "raw", "-o", str(raw)], capture_output=True, text=True)
+                                *(["--native"] if args.native else ["--nonblocking"]), "--format", "raw", "-o", str(raw)], capture_output=True, text=True)
         cpu, stats1 = server.cpu() - cpu0, envoy.stats()
         stop.set()
         loader.join()

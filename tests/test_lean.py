@@ -88,6 +88,15 @@ CREATED = re.compile(rb'"created":\d+')
 TOOL_CALL_ID = re.compile(rb'"id":"(chatcmpl-tool|call)[_-][0-9a-zA-Z-]{8,}"')  # random per call, in vLLM too
 
 
+def run_vllm(stream, payloads: list[bytes]) -> bytes:
+    """``run`` with vLLM's parser modules calling ``regex`` itself, as vLLM's own server does (the
+    lean path's ``parser_tables.memoize_regex`` is undone while it runs)."""
+    from derender.translate import parser_tables
+
+    with parser_tables.unpatched_regex():
+        return run(stream, payloads)
+
+
 def normal(data: bytes) -> bytes:
     return TOOL_CALL_ID.sub(b'"id":"call-id"', CREATED.sub(b'"created":0', data))
 
@@ -109,7 +118,7 @@ def both_paths(model, body: dict, payloads: list[bytes]) -> tuple[bytes, bytes, 
     lean_stream = lean.LeanChatStream(model, rendered)
     vllm_stream = ChatStream(vllm_path(model), reference)
     assert vllm_stream.outputs.direct_state is None
-    vllm_bytes = run(vllm_stream, payloads)
+    vllm_bytes = run_vllm(vllm_stream, payloads)
     lean_bytes = run(lean_stream, payloads)
     # ``created`` is the second each generator started in, tool call ids are random: all else is equal.
     return normal(vllm_bytes), normal(lean_bytes), lean_stream.handled, lean_stream.direct
@@ -249,7 +258,7 @@ def test_lean_messages_path_sends_vllms_bytes(name):
         assert lean.eligible(model, lean_rendered, continuous_usage=True)
         lean_stream = LeanMessagesStream(model, lean_rendered)
         assert reference.outputs.direct_state is None
-        vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
+        vllm_bytes, lean_bytes = run_vllm(reference, payloads), run(lean_stream, payloads)
         assert clean(lean_bytes) == clean(vllm_bytes), body
         middle = max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 2)  # neither the first nor the last
         if "stop" not in chat:  # a stop string ends a stream early and sends all events through process_outputs
@@ -274,7 +283,7 @@ def test_lean_messages_path_sends_vllms_bytes(name):
                           "max_tokens": 2000})
     payloads = events(ids, [1], False, "stop")
     reference, lean_stream = MessagesStream(vllm_path(model), rendered(body)), LeanMessagesStream(model, rendered(body))
-    vllm_bytes, lean_bytes = run(reference, payloads), run(lean_stream, payloads)
+    vllm_bytes, lean_bytes = run_vllm(reference, payloads), run(lean_stream, payloads)
     assert clean(lean_bytes) == clean(vllm_bytes)
     assert lean_stream.handled == len(ids) - 2  # every event but the first and the last
     assert lean_stream.converted <= 2 and lean_stream.templated >= lean_stream.handled // 2, (
@@ -383,7 +392,8 @@ def test_stream_path_vllm_turns_it_off(monkeypatch):
 
 def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
     """A process serving only ``--stream-path vllm`` runs vLLM's parser engine as it is: the shared
-    drop tables (``parser_tables``) are the lean path's, installed by a lean model only."""
+    drop tables and compiled regex calls (``parser_tables``) are the lean path's, installed by a lean
+    model only."""
     import subprocess
     import sys
 
@@ -391,15 +401,16 @@ def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
         "from derender.settings import Settings\n"
         "from derender.translate.model import Model, ModelSpec\n"
         "from vllm.parser.engine import streaming_parser_engine as engine\n"
-        "import sys\n"
+        "import regex, sys\n"
+        "from vllm.tool_parsers import hermes_tool_parser as hermes\n"
         "model = Model(ModelSpec(model=sys.argv[1], settings=Settings(stream_path='vllm')))\n"
-        "print('vllm', getattr(engine._build_drop_info, 'derender_memo', False))\n"
+        "print('vllm', getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex)\n"
         "model.with_settings(Settings())\n"
-        "print('lean', getattr(engine._build_drop_info, 'derender_memo', False))\n"
+        "print('lean', getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-3:-1] == ["vllm False", "lean True"], out.stdout
+    assert out.stdout.split("\n")[-3:-1] == ["vllm False False", "lean True True"], out.stdout
 
 
 def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):
@@ -483,9 +494,13 @@ def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tu
         session = rendered.session
         return b"".join(out), session.lean_events, loop.templated if loop else 0, session.direct_events
 
-    if not lean_on:
-        model = vllm_path(model)
-    return asyncio.run(go())
+    if lean_on:
+        return asyncio.run(go())
+    from derender.translate import parser_tables
+
+    model = vllm_path(model)
+    with parser_tables.unpatched_regex():
+        return asyncio.run(go())
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "gpt-oss"])

@@ -31,7 +31,7 @@ import json
 import logging
 from typing import Any
 
-from . import vllm_seams
+from . import eventjson, vllm_seams
 from .chat_loop import LoopState, chat_stream
 from .model import Model
 from .render import Rendered
@@ -68,7 +68,7 @@ def one_choice_event(payload: bytes) -> dict[str, Any] | None:
     if payload[:1] != b"{":
         return None
     try:
-        event = json.loads(payload)
+        event = eventjson.loads(payload)
     except ValueError:
         return None
     choices = event.get("choices")

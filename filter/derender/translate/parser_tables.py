@@ -1,10 +1,14 @@
-"""The lean path's vLLM patch: the streaming parser engine's drop tables built once per (config,
-tokenizer) and shared. Installed by the first ``Model`` on the lean stream path; a process that serves
-only ``--stream-path vllm`` never patches vLLM.
+"""The lean path's vLLM patches, both on its output parsers: the streaming parser engine's drop
+tables built once per (config, tokenizer) and shared (``memoize``), and the parsers' module-level
+``regex`` calls served from compiled patterns (``memoize_regex``). Installed by a ``Model`` on the
+lean stream path; a process that serves only ``--stream-path vllm`` never patches vLLM.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -34,3 +38,89 @@ def memoize() -> None:
     drop_info.built = build  # type: ignore[attr-defined]
     drop_info.tables = tables  # type: ignore[attr-defined]
     vllm_seams.set_parser_drop_table_builder(drop_info)
+
+
+# Where vLLM's output parsers live: their modules call ``regex.search(pattern, text)`` per token.
+PARSER_MODULES = ("vllm.tool_parsers.", "vllm.reasoning.", "vllm.parser.")
+MAX_PATTERNS = 256  # patterns held per process; past that, calls go to ``regex`` as they are
+
+
+class CompiledRegex:
+    """The ``regex`` module as a parser module sees it, its pattern-taking calls served from the
+    pattern compiled once. ``regex.search(p, s)`` compiles through ``regex._compile`` on every call,
+    a cache lookup in Python with enum flag arithmetic (~4 us; Hermes calls it twice per token
+    of a tool call), and then runs the compiled pattern's ``search(s)``; this runs the same compiled
+    pattern (``regex.compile(p, flags)`` is what ``_compile`` returns), so the match is the same.
+    Calls with arguments past (pattern, string, flags) go to ``regex`` itself."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self._compiled: dict[tuple[type, Any, int], Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # everything else: ``regex``'s own (compile, escape, DOTALL ...)
+        return getattr(self.module, name)
+
+    def _pattern(self, pattern: Any, flags: int) -> Any:
+        key = (type(pattern), pattern, flags)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.module.compile(pattern, flags)
+            if len(self._compiled) < MAX_PATTERNS:
+                self._compiled[key] = compiled
+        return compiled
+
+    def search(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.module.search(pattern, string, flags, *args, **kwargs)
+        return self._pattern(pattern, flags).search(string)
+
+    def match(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.module.match(pattern, string, flags, *args, **kwargs)
+        return self._pattern(pattern, flags).match(string)
+
+    def fullmatch(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.module.fullmatch(pattern, string, flags, *args, **kwargs)
+        return self._pattern(pattern, flags).fullmatch(string)
+
+    def findall(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return self.module.findall(pattern, string, flags, *args, **kwargs)
+        return self._pattern(pattern, flags).findall(string)
+
+
+def memoize_regex() -> list[str]:
+    """Every loaded parser module that calls ``regex`` through a module global ``re`` gets a
+    ``CompiledRegex`` instead (the modules of the parsers a model has built are loaded by then);
+    the names of the modules patched now. ``tests/test_lean.py`` runs the lean path so patched
+    against vLLM's path with ``regex`` itself (``unpatched_regex``) over generated streams."""
+    global _compiled
+    import regex
+
+    if _compiled is None:
+        _compiled = CompiledRegex(regex)
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith(PARSER_MODULES) and getattr(module, "re", None) is regex:
+            module.re = _compiled  # type: ignore[attr-defined]
+            patched.append(name)
+    return patched
+
+
+_compiled: CompiledRegex | None = None  # the one every patched module shares
+
+
+@contextlib.contextmanager
+def unpatched_regex() -> Iterator[None]:
+    """vLLM's parser modules with ``regex`` itself while this lasts (the differential tests' vLLM path)."""
+    swapped = [m for name, m in list(sys.modules.items())
+               if name.startswith(PARSER_MODULES) and isinstance(getattr(m, "re", None), CompiledRegex)]
+    held = [(module, module.re) for module in swapped]
+    for module, compiled in held:
+        module.re = compiled.module
+    try:
+        yield
+    finally:
+        for module, compiled in held:
+            module.re = compiled

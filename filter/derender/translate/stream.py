@@ -15,7 +15,7 @@ import json
 from collections import deque
 from typing import Any
 
-from . import vllm_seams
+from . import eventjson, vllm_seams
 from .decode import Decoded, ProducerDecoder
 from .errors import INCOMPLETE, HTTPError, dumps, error_event
 from .events import cached_tokens, step_event
@@ -127,7 +127,7 @@ class ChatStream(Decoded):
         if payload == b"[DONE]":
             return self.end(), False
         try:
-            outs, abort = self.decoder.event(json.loads(payload))
+            outs, abort = self.decoder.event(eventjson.loads(payload))
             self._accept(outs)
         except HTTPError as exc:  # the producer's error event
             return self.fail(exc.status, exc.message, exc.type), False
