@@ -27,7 +27,6 @@ parser configuration and demands identical bytes. ``derender serve --stream-path
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
