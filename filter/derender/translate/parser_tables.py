@@ -114,8 +114,11 @@ _compiled: CompiledRegex | None = None  # the one every patched module shares
 @contextlib.contextmanager
 def unpatched_regex() -> Iterator[None]:
     """vLLM's parser modules with ``regex`` itself while this lasts (the differential tests' vLLM path)."""
-    swapped = [m for name, m in list(sys.modules.items())
-               if name.startswith(PARSER_MODULES) and isinstance(getattr(m, "re", None), CompiledRegex)]
+    swapped = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith(PARSER_MODULES) and isinstance(getattr(m, "re", None), CompiledRegex)
+    ]
     held = [(module, module.re) for module in swapped]
     for module, compiled in held:
         module.re = compiled.module
