@@ -96,7 +96,7 @@ def memoize_regex() -> list[str]:
     the names of the modules patched now. ``tests/test_lean.py`` runs the lean path so patched
     against vLLM's path with ``regex`` itself (``unpatched_regex``) over generated streams."""
     global _compiled
-    import regex
+    import regex  # type: ignore[import-untyped]
 
     if _compiled is None:
         _compiled = CompiledRegex(regex)
@@ -119,7 +119,7 @@ def unpatched_regex() -> Iterator[None]:
         for name, m in list(sys.modules.items())
         if name.startswith(PARSER_MODULES) and isinstance(getattr(m, "re", None), CompiledRegex)
     ]
-    held = [(module, module.re) for module in swapped]
+    held: list[tuple[Any, CompiledRegex]] = [(module, module.re) for module in swapped]
     for module, compiled in held:
         module.re = compiled.module
     try:
