@@ -241,6 +241,29 @@ def h2_target(qwen3_dir):
     target.stop()
 
 
+RELEASE_ABOVE = 1 << 31  # bytes of resident memory past which a test file's end gives memory back
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_file():
+    """A test worker runs file after file, and files build vLLM models (hundreds of MB each) that
+    their module fixtures drop at the file's end, in reference cycles the collector may not walk
+    for a long time; a worker grew to 5 GB that way beside the filters its tests start. Past
+    ``RELEASE_ABOVE``, a file's end collects them and hands the freed heap back to the system."""
+    yield
+    import ctypes
+    import gc
+
+    import psutil
+
+    if psutil.Process().memory_info().rss > RELEASE_ABOVE:
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 @pytest.fixture(scope="module")
 def redis_server():
     """A real redis-server on a free loopback port for one test file (no persistence)."""

@@ -44,6 +44,13 @@ def served(name: str):
     return _MODELS[name]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _models_for_this_file_only():
+    """The models ``served`` built live as long as this file's tests (conftest then frees them)."""
+    yield
+    _MODELS.clear()
+
+
 def render(model, body: dict):
     from derender.translate.render import render_chat
 
@@ -89,11 +96,11 @@ TOOL_CALL_ID = re.compile(rb'"id":"(chatcmpl-tool|call)[_-][0-9a-zA-Z-]{8,}"')  
 
 
 def run_vllm(stream, payloads: list[bytes]) -> bytes:
-    """``run`` with vLLM's parser modules calling ``regex`` itself, as vLLM's own server does (the
-    lean path's ``parser_tables.memoize_regex`` is undone while it runs)."""
+    """``run`` with vLLM's parser modules on vLLM's own objects, as vLLM's own server runs them (the
+    lean path's ``parser_tables.patch_parsers`` is undone while it runs)."""
     from derender.translate import parser_tables
 
-    with parser_tables.unpatched_regex():
+    with parser_tables.unpatched():
         return run(stream, payloads)
 
 
@@ -499,7 +506,7 @@ def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tu
     from derender.translate import parser_tables
 
     model = vllm_path(model)
-    with parser_tables.unpatched_regex():
+    with parser_tables.unpatched():
         return asyncio.run(go())
 
 

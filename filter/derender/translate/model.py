@@ -205,7 +205,7 @@ class Model:
             log.warning("%s; the filter falls back to vLLM's own path where it can", problem)
         self._warm_up()
         if self.lean:  # the parsers' modules are loaded now: the warm-up built them
-            parser_tables.memoize_regex()
+            parser_tables.patch_parsers()
         log.info("model %s loaded from %s (max_model_len %d)", self.name, spec.model, self.max_model_len)
 
     def with_settings(self, settings: Settings) -> Model:
@@ -216,7 +216,7 @@ class Model:
         other.lean = _lean(settings)
         if other.lean:
             parser_tables.memoize()
-            parser_tables.memoize_regex()
+            parser_tables.patch_parsers()
         return other
 
     def vllm_serving(self, cls: type, engine: Any = None) -> Any:

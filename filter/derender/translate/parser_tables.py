@@ -1,6 +1,7 @@
-"""The lean path's vLLM patches, both on its output parsers: the streaming parser engine's drop
-tables built once per (config, tokenizer) and shared (``memoize``), and the parsers' module-level
-``regex`` calls served from compiled patterns (``memoize_regex``). Installed by a ``Model`` on the
+"""The lean path's vLLM patches, all on its output parsers: the streaming parser engine's drop
+tables built once per (config, tokenizer) and shared (``memoize``); the parsers' module-level
+``regex`` calls served from compiled patterns and a quick no from ``is_complete_json`` where
+``json.loads`` cannot take the text (``patch_parsers``). Installed by a ``Model`` on the
 lean stream path; a process that serves only ``--stream-path vllm`` never patches vLLM.
 """
 
@@ -90,40 +91,75 @@ class CompiledRegex:
         return self._pattern(pattern, flags).findall(string)
 
 
-def memoize_regex() -> list[str]:
-    """Every loaded parser module that calls ``regex`` through a module global ``re`` gets a
-    ``CompiledRegex`` instead (the modules of the parsers a model has built are loaded by then);
-    the names of the modules patched now. ``tests/test_lean.py`` runs the lean path so patched
-    against vLLM's path with ``regex`` itself (``unpatched_regex``) over generated streams."""
+# What a JSON text's last character can be, past trailing whitespace: the end of an object, an
+# array, a string, a number, true / false, null, NaN or (-)Infinity (which ``json.loads`` accepts).
+_JSON_ENDS = frozenset('}]"0123456789elNy')
+MAX_OPENERS = 256  # brackets and braces a text may hold for the quick answer (far from the recursion limit)
+
+
+def is_complete_json(input_str: Any) -> bool:
+    """vLLM's ``tool_parsers.utils.is_complete_json`` (whether ``json.loads`` takes the text), with
+    a quick no for a text whose last character cannot end a JSON value -- Hermes asks it of a tool
+    call's growing arguments on every token, and ``json.loads`` builds a ``JSONDecodeError`` to say
+    no. Any other text (and one nested deep enough to meet the recursion limit) goes to vLLM's."""
+    if type(input_str) is str and input_str.count("[") + input_str.count("{") <= MAX_OPENERS:
+        end = input_str.rstrip(" \t\n\r")
+        if not end or end[-1] not in _JSON_ENDS:
+            return False
+    return _vllm_is_complete_json(input_str)
+
+
+def _vllm_is_complete_json(input_str: Any) -> bool:
+    from vllm.tool_parsers import utils
+
+    return bool(utils.is_complete_json(input_str))
+
+
+def _swaps() -> list[tuple[str, Any, Any]]:
+    """(a parser module's global, vLLM's object, the lean path's)."""
     global _compiled
     import regex  # type: ignore[import-untyped]
+    from vllm.tool_parsers import utils
 
     if _compiled is None:
         _compiled = CompiledRegex(regex)
-    patched = []
-    for name, module in list(sys.modules.items()):
-        if name.startswith(PARSER_MODULES) and getattr(module, "re", None) is regex:
-            module.re = _compiled  # type: ignore[attr-defined]
-            patched.append(name)
-    return patched
+    return [("re", regex, _compiled), ("is_complete_json", utils.is_complete_json, is_complete_json)]
 
 
 _compiled: CompiledRegex | None = None  # the one every patched module shares
+DEFINING = "vllm.tool_parsers.utils"  # where is_complete_json is vLLM's own: never patched
+
+
+def _parser_modules() -> list[Any]:
+    return [m for name, m in list(sys.modules.items()) if name.startswith(PARSER_MODULES) and name != DEFINING]
+
+
+def patch_parsers() -> list[str]:
+    """Every loaded parser module that calls ``regex`` through a module global ``re`` gets a
+    ``CompiledRegex`` instead, and every one that imported ``is_complete_json`` gets the one above
+    (the modules of the parsers a model has built are loaded by then); what was patched now, as
+    ``module.global`` names. ``tests/test_lean.py`` runs the lean path so patched against vLLM's
+    path on vLLM's own objects (``unpatched``) over generated streams."""
+    swaps, patched = _swaps(), []
+    for module in _parser_modules():
+        for name, theirs, ours in swaps:
+            if getattr(module, name, None) is theirs:
+                setattr(module, name, ours)
+                patched.append(f"{module.__name__}.{name}")
+    return patched
 
 
 @contextlib.contextmanager
-def unpatched_regex() -> Iterator[None]:
-    """vLLM's parser modules with ``regex`` itself while this lasts (the differential tests' vLLM path)."""
-    swapped = [
-        m
-        for name, m in list(sys.modules.items())
-        if name.startswith(PARSER_MODULES) and isinstance(getattr(m, "re", None), CompiledRegex)
-    ]
-    held: list[tuple[Any, CompiledRegex]] = [(module, module.re) for module in swapped]
-    for module, compiled in held:
-        module.re = compiled.module
+def unpatched() -> Iterator[None]:
+    """vLLM's parser modules with vLLM's own objects while this lasts (the differential tests' vLLM path)."""
+    swaps, held = _swaps(), []
+    for module in _parser_modules():
+        for name, theirs, ours in swaps:
+            if getattr(module, name, None) is ours:
+                setattr(module, name, theirs)
+                held.append((module, name, ours))
     try:
         yield
     finally:
-        for module, compiled in held:
-            module.re = compiled
+        for module, name, ours in held:
+            setattr(module, name, ours)

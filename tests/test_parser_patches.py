@@ -1,10 +1,12 @@
-"""``parser_tables.CompiledRegex``: vLLM's parser modules' ``regex`` calls served from compiled
-patterns give what ``regex`` gives, for the patterns those modules pass and any text; the stream-level
-proof is ``test_lean.py`` (the lean path patched against vLLM's path on ``regex`` itself)."""
+"""The lean path's patches of vLLM's parser modules (``parser_tables.patch_parsers``) give what vLLM's
+own objects give: ``CompiledRegex`` what ``regex`` gives, for the patterns those modules pass and any
+text; ``is_complete_json`` what vLLM's gives, for any prefix of any JSON text and any other text. The
+stream-level proof is ``test_lean.py`` (the lean path patched against vLLM's path unpatched)."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import re as stdlib_re
 import sys
 
@@ -80,15 +82,61 @@ def test_held_patterns_are_bounded():
     assert len(compiled._compiled) == parser_tables.MAX_PATTERNS
 
 
-def test_unpatched_regex_gives_the_modules_regex_back():
+def test_unpatched_gives_the_modules_vllms_objects_back():
     from vllm.tool_parsers import hermes_tool_parser as hermes
+    from vllm.tool_parsers import utils
 
-    patched = parser_tables.memoize_regex()  # none if a lean model in this process did it before
+    vllms = {"re": regex, "is_complete_json": utils.is_complete_json}
+    patched = parser_tables.patch_parsers()  # none if a lean model in this process did it before
     try:
         assert isinstance(hermes.re, parser_tables.CompiledRegex)
-        with parser_tables.unpatched_regex():
-            assert hermes.re is regex
+        assert hermes.is_complete_json is parser_tables.is_complete_json
+        assert utils.is_complete_json is not parser_tables.is_complete_json  # vLLM's own module keeps its own
+        with parser_tables.unpatched():
+            assert hermes.re is regex and hermes.is_complete_json is utils.is_complete_json
         assert isinstance(hermes.re, parser_tables.CompiledRegex)
+        assert hermes.is_complete_json is parser_tables.is_complete_json
     finally:
-        for name in patched:  # as it was
-            sys.modules[name].re = regex
+        for dotted in patched:  # as it was
+            module, name = dotted.rsplit(".", 1)
+            setattr(sys.modules[module], name, vllms[name])
+
+
+def _json_values():
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+                       st.text(alphabet=st.sampled_from('ab "\\{}[]:,é東🤖\n\t'), max_size=8))
+    return st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                        max_leaves=12)
+
+
+def _outcome(fn, text):
+    try:
+        return fn(text)
+    except Exception as exc:  # noqa: BLE001  both must fail alike
+        return type(exc)
+
+
+def test_is_complete_json_answers_as_vllms():
+    """Over every prefix of JSON texts as a model writes them (Hermes's growing tool call), JSON's
+    edge cases, whitespace around them and any text: the same answer as vLLM's, and the quick no
+    answered some of them (so the test compares two functions)."""
+    from vllm.tool_parsers.utils import is_complete_json as vllms
+
+    quick = []
+
+    @settings(max_examples=400, deadline=None)
+    @given(_json_values(), st.sampled_from([None, 1, 2]), st.sampled_from([(", ", ": "), (",", ":")]),
+           st.sampled_from(["", " ", "\n", " \t\r\n", "\u00a0", "x"]), st.text(max_size=12))
+    def check(value, indent, separators, tail, noise):
+        text = json.dumps(value, indent=indent, separators=separators, ensure_ascii=False)
+        texts = [text[:i] for i in range(len(text) + 1)] + [text + tail, tail + text, noise, text + noise]
+        for t in texts:
+            assert _outcome(parser_tables.is_complete_json, t) == _outcome(vllms, t), repr(t)
+            quick.append(not t.rstrip(" \t\n\r") or t.rstrip(" \t\n\r")[-1] not in parser_tables._JSON_ENDS)
+
+    check()
+    for t in ['{"a": NaN}', "-Infinity", "[" * 300 + "]" * 300, "[" * 5000 + "1,", "[" * 5000, '"\ud800"', "\ufeff{}",
+              b"{}", 12, None]:
+        assert _outcome(parser_tables.is_complete_json, t) == _outcome(vllms, t), repr(t)[:40]
+    assert any(quick) and not all(quick)
