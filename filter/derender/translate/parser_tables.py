@@ -46,6 +46,18 @@ PARSER_MODULES = ("vllm.tool_parsers.", "vllm.reasoning.", "vllm.parser.")
 MAX_PATTERNS = 256  # patterns held per process; past that, calls go to ``regex`` as they are
 
 
+def _served(name: str) -> Any:
+    """``regex.<name>(pattern, string, flags)`` run by the compiled pattern's own ``<name>(string)``."""
+
+    def call(self: CompiledRegex, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return getattr(self.module, name)(pattern, string, flags, *args, **kwargs)
+        return getattr(self._pattern(pattern, flags), name)(string)
+
+    call.__name__ = name
+    return call
+
+
 class CompiledRegex:
     """The ``regex`` module as a parser module sees it, its pattern-taking calls served from the
     pattern compiled once. ``regex.search(p, s)`` compiles through ``regex._compile`` on every call,
@@ -70,25 +82,10 @@ class CompiledRegex:
                 self._compiled[key] = compiled
         return compiled
 
-    def search(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return self.module.search(pattern, string, flags, *args, **kwargs)
-        return self._pattern(pattern, flags).search(string)
-
-    def match(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return self.module.match(pattern, string, flags, *args, **kwargs)
-        return self._pattern(pattern, flags).match(string)
-
-    def fullmatch(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return self.module.fullmatch(pattern, string, flags, *args, **kwargs)
-        return self._pattern(pattern, flags).fullmatch(string)
-
-    def findall(self, pattern: Any, string: Any, flags: int = 0, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return self.module.findall(pattern, string, flags, *args, **kwargs)
-        return self._pattern(pattern, flags).findall(string)
+    search = _served("search")
+    match = _served("match")
+    fullmatch = _served("fullmatch")
+    findall = _served("findall")
 
 
 # What a JSON text's last character can be, past trailing whitespace: the end of an object, an
