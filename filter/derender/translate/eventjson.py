@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 _decode = msgspec.json.Decoder().decode
-MAX_OPENERS = 256  # brackets and braces a text may hold for msgspec to take it
+MAX_OPENERS = 256  # brackets and braces a text may hold for msgspec to take it (parser_tables uses it too)
 
 
 def loads(payload: bytes) -> Any:

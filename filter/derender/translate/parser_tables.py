@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+# The same guard as the event decoder's: a text with fewer brackets is far from the recursion limit.
+from .eventjson import MAX_OPENERS
 
 
 def memoize() -> None:
@@ -91,7 +94,6 @@ class CompiledRegex:
 # What a JSON text's last character can be, past trailing whitespace: the end of an object, an
 # array, a string, a number, true / false, null, NaN or (-)Infinity (which ``json.loads`` accepts).
 _JSON_ENDS = frozenset('}]"0123456789elNy')
-MAX_OPENERS = 256  # brackets and braces a text may hold for the quick answer (far from the recursion limit)
 
 
 def is_complete_json(input_str: Any) -> bool:
@@ -103,13 +105,19 @@ def is_complete_json(input_str: Any) -> bool:
         end = input_str.rstrip(" \t\n\r")
         if not end or end[-1] not in _JSON_ENDS:
             return False
-    return _vllm_is_complete_json(input_str)
+    return _vllm_check(input_str)
 
 
-def _vllm_is_complete_json(input_str: Any) -> bool:
+def _first_vllm_check(input_str: Any) -> bool:
+    """vLLM's ``is_complete_json``, looked up on the first call and called directly after it."""
+    global _vllm_check
     from vllm.tool_parsers import utils
 
-    return bool(utils.is_complete_json(input_str))
+    _vllm_check = utils.is_complete_json
+    return _vllm_check(input_str)
+
+
+_vllm_check: Callable[[Any], bool] = _first_vllm_check
 
 
 def _swaps() -> list[tuple[str, Any, Any]]:
