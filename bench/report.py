@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 NAMES = {
     "envoy": "Envoy alone (no ext_proc)",
@@ -251,17 +252,38 @@ def paced_ratios(runs: dict) -> list[str]:
         return (cpu.get("server") or 0) + (cpu.get("envoy") or 0)
 
     coupled, chat = total("vllm-coupled"), total("hermes")
-    lines = []
+    lines, any_paired = [], False
     for name in ("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-vllm", "hermes-messages", "hermes-responses"):
         mine = total(name)
         if mine is None:
             continue
         parts = [f"{mine / coupled:.2f}x vLLM coupled" if coupled else "",
                  f"{mine / chat:.2f}x chat" if chat and name.startswith("hermes-") and name != "hermes-vllm" else ""]
+        if coupled and (paired := paired_ratios(runs.get(name, {}), runs.get("vllm-coupled", {}))):
+            parts.append(f"paired rounds {' / '.join(f'{x:.2f}' for x in paired)} (median "
+                         f"**{statistics.median(paired):.2f}x**)")
+            any_paired = True
         parts = [p for p in parts if p]
         if parts:
             lines.append(f"- {NAMES.get(name, name)}: Envoy + ext_proc {mine:.0f} us/token, " + ", ".join(parts))
+    if any_paired:
+        lines += ["", "The first ratio is the two median rounds' (by tokens/s). The paired rounds divide each round's "
+                  "Envoy + ext_proc CPU per token by the coupled server's in the same round (the paths ran one after "
+                  "another within a round), in the order they ran: a slow spell of the machine weighs on both sides "
+                  "of a pair."]
     return [*lines, ""] if lines else []
+
+
+def paired_ratios(mine: dict, coupled: dict) -> list[float]:
+    """Round i's Envoy + ext_proc CPU per token over the coupled server's in round i (runs from before
+    the rounds' CPU was kept: none)."""
+    def totals(run: dict) -> list[float]:
+        return [(cpu.get("server") or 0) + (cpu.get("envoy") or 0) for cpu in run.get("rounds_cpu_us_per_token", [])]
+
+    a, b = totals(mine), totals(coupled)
+    if len(a) < 2 or len(a) != len(b):
+        return []
+    return [x / y for x, y in zip(a, b) if y]
 
 
 def paced_markdown(r: dict) -> str:
@@ -375,4 +397,6 @@ def paced_knobs(env: dict) -> str:
         knobs += f" --workers {env['workers']}"
     if env.get("envoy_concurrency", 2) != env.get("default_envoy_concurrency", 2):
         knobs += f" --envoy-concurrency {env['envoy_concurrency']}"
+    if env.get("rounds"):
+        knobs += f" --rounds {env['rounds']}"
     return knobs

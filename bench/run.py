@@ -342,9 +342,13 @@ class Bench:
                     log(f"  {concurrency} streams {name}: {run['tokens_per_s']:.0f} tokens/s, "
                         f"server CPU {run['cpu_us_per_token'].get('server', 0):.0f} us/token")
             for name, runs in rounds.items():
+                # Every round's CPU in the order the rounds ran: round i of one path ran next to round i of
+                # every other, so their ratios pair rounds that met the same spell of the machine.
+                cpu_rounds = [run["cpu_us_per_token"] for run in runs]
                 runs.sort(key=lambda run: run["tokens_per_s"])
                 median = dict(runs[len(runs) // 2])
                 median["rounds_tokens_per_s"] = [run["tokens_per_s"] for run in runs]
+                median["rounds_cpu_us_per_token"] = cpu_rounds
                 out.setdefault(concurrency, {})[name] = median
         return out
 
@@ -548,6 +552,7 @@ def environment(args: argparse.Namespace) -> dict:
         "default_workers": "auto",
         "envoy_concurrency": procs.ENVOY_CONCURRENCY,
         "default_envoy_concurrency": DEFAULT_ENVOY_CONCURRENCY,
+        "rounds": args.rounds,
         "out_name": Path(args.out).name if args.out and args.out != "-" else None,
         "streams_per_connection": procs.STREAMS_PER_CONNECTION,
         "local_streams_per_connection": procs.streams_per_connection(),
@@ -572,12 +577,16 @@ def main() -> int:
                         "coupled server")
     parser.add_argument("--envoy-concurrency", type=int, default=procs.ENVOY_CONCURRENCY,
                         help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"throughput: rounds of every path, interleaved (default {Plan.load_rounds}; --quick: 1)")
     parser.add_argument("--lockstep", action="store_true",
                         help="throughput: every stream's event at the same moment, one engine step every 20 ms for all, "
                         "as one GPU decodes its batch (default: each stream paced by its own timer)")
     args = parser.parse_args()
     procs.ENVOY_CONCURRENCY = args.envoy_concurrency
     plan = Plan.quick() if args.quick else Plan()
+    if args.rounds:
+        plan.load_rounds = args.rounds
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     bench = Bench(args, plan, model_dir)
     results: dict = {"env": environment(args), "plan": {**plan.__dict__, "lockstep": args.lockstep}}
