@@ -398,26 +398,32 @@ def test_stream_path_vllm_turns_it_off(monkeypatch):
 
 
 def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
-    """A process serving only ``--stream-path vllm`` runs vLLM's parser engine as it is: the shared
-    drop tables and compiled regex calls (``parser_tables``) are the lean path's, installed by a lean
-    model only."""
+    """A process serving only ``--stream-path vllm`` runs vLLM's parser engine and Responses server as
+    they are: the shared drop tables and compiled regex calls (``parser_tables``) and the Responses
+    server's cached ``TypeAdapter`` are the lean path's, installed by a lean model only."""
     import subprocess
     import sys
 
     code = (
         "from derender.settings import Settings\n"
         "from derender.translate.model import Model, ModelSpec\n"
+        "from derender.endpoints.responses.endpoint import serving_responses\n"
         "from vllm.parser.engine import streaming_parser_engine as engine\n"
-        "import regex, sys\n"
+        "from vllm.entrypoints.openai.responses import serving as responses\n"
+        "import pydantic, regex, sys\n"
         "from vllm.tool_parsers import hermes_tool_parser as hermes\n"
+        "def patched():\n"
+        "    return (getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex,\n"
+        "            responses.TypeAdapter is not pydantic.TypeAdapter)\n"
         "model = Model(ModelSpec(model=sys.argv[1], settings=Settings(stream_path='vllm')))\n"
-        "print('vllm', getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex)\n"
-        "model.with_settings(Settings())\n"
-        "print('lean', getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex)\n"
+        "serving_responses(model)\n"
+        "print('vllm', *patched())\n"
+        "serving_responses(model.with_settings(Settings()))\n"
+        "print('lean', *patched())\n"
     )
     out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-3:-1] == ["vllm False False", "lean True True"], out.stdout
+    assert out.stdout.split("\n")[-3:-1] == ["vllm False False False", "lean True True True"], out.stdout
 
 
 def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):

@@ -180,3 +180,45 @@ def test_cancelling_a_session_mid_await_leaves_nothing_running(pauses):
     gc.collect()
     running = [g for g in gc.get_objects() if isinstance(g, types.AsyncGeneratorType) and g.ag_running]
     assert not running and session._pending is None and session.done
+
+
+def test_the_cached_type_adapter_is_the_one_pydantic_builds():
+    """``lean.cached_type_adapter``: what vLLM's Responses server validates its error event with,
+    built once. It must answer as a fresh ``TypeAdapter`` does: the chat-shaped error JSON vLLM
+    writes for an engine failure is refused with the same errors, a real event is read as the same
+    object; other arguments and unhashable types get a new adapter."""
+    import json
+
+    import pydantic
+    from derender.endpoints.responses import lean
+    from openai.types.responses import ResponseReasoningTextDeltaEvent
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+    from vllm.entrypoints.openai.responses.protocol import StreamingResponsesResponse
+
+    cached = lean.cached_type_adapter(StreamingResponsesResponse)
+    assert lean.cached_type_adapter(StreamingResponsesResponse) is cached
+    fresh = pydantic.TypeAdapter(StreamingResponsesResponse)
+
+    error = json.dumps(ErrorResponse(error=ErrorInfo(message="boom", type="InternalServerError", code=500)).model_dump())
+    refusals = []
+    for adapter in (cached, fresh):
+        with pytest.raises(pydantic.ValidationError) as info:
+            adapter.validate_json(error)
+        refusals.append(info.value.errors(include_url=False))
+    assert refusals[0] == refusals[1]
+
+    delta = ResponseReasoningTextDeltaEvent(type="response.reasoning_text.delta", delta="héllo 東京", item_id="rs_1",
+                                            output_index=0, content_index=0, sequence_number=7).model_dump_json()
+    read = [adapter.validate_json(delta) for adapter in (cached, fresh)]
+    assert type(read[0]) is type(read[1]) and read[0].model_dump() == read[1].model_dump()
+
+    assert lean.cached_type_adapter(StreamingResponsesResponse, config=None) is not cached
+    unhashable = typing_annotated_unhashable()
+    assert lean.cached_type_adapter(unhashable) is not lean.cached_type_adapter(unhashable)
+
+
+def typing_annotated_unhashable() -> Any:
+    """An ``Annotated`` type whose metadata is a list: it cannot be a dict key."""
+    from typing import Annotated
+
+    return Annotated[int, ["unhashable"]]

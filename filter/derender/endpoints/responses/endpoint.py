@@ -43,7 +43,7 @@ from ...translate.render import Rendered, media_of, producer_body
 from ...translate.stream import ChatStream, choice_outputs
 from ..chat import ChatExchange
 from . import store
-from .lean import lean_serving_class
+from .lean import cache_type_adapters, lean_serving_class
 from .session import _STAND_IN_SESSIONS, Session, _ProducerEngine, lend_loop
 
 RESPONSES_PATH = "/v1/responses"
@@ -58,6 +58,8 @@ def serving_responses(model: Model) -> Any:
     from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     cls = lean_serving_class(lend_loop) if model.lean else OpenAIServingResponses
+    if model.lean:
+        cache_type_adapters()
     serving = model.vllm_serving(cls, _ProducerEngine(model.vllm_config, model.renderer))
     if (shared := store.of(model.settings)) is not None:
         shared.install(serving)

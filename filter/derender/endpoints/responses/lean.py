@@ -178,6 +178,42 @@ class _Numbered:
         self.sequence_number = -1
 
 
+MAX_ADAPTERS = 16  # types whose adapter is held (vLLM's Responses server builds one, for its error event)
+_adapters: dict[Any, Any] = {}
+
+
+def cached_type_adapter(type_: Any, **kwargs: Any) -> Any:
+    """pydantic's ``TypeAdapter(type_)``, built once per type and kept. vLLM's Responses server builds
+    ``TypeAdapter(StreamingResponsesResponse)`` anew for every stream an engine failure ends (its
+    ``GenerationError`` branch): some 15 ms of CPU on the worker's loop for a union of every event
+    type, so a failing producer under 256 streams would hold the loop for seconds. The adapter is
+    the same object pydantic builds (resolved from the caller's frame, as ``TypeAdapter(...)`` there
+    resolves it); any other argument, or a type that cannot be a key, gets a new one."""
+    from pydantic import TypeAdapter
+
+    if kwargs:
+        return TypeAdapter(type_, _parent_depth=3, **kwargs)
+    try:
+        adapter = _adapters.get(type_)
+    except TypeError:  # an unhashable type expression
+        return TypeAdapter(type_, _parent_depth=3)
+    if adapter is None:
+        adapter = TypeAdapter(type_, _parent_depth=3)
+        if len(_adapters) < MAX_ADAPTERS:
+            _adapters[type_] = adapter
+    return adapter
+
+
+def cache_type_adapters() -> None:
+    """vLLM's Responses server module builds its ``TypeAdapter``s through ``cached_type_adapter``
+    (installed by a lean model's Responses serving; ``--stream-path vllm`` leaves the module as it is)."""
+    from pydantic import TypeAdapter
+    from vllm.entrypoints.openai.responses import serving as names
+
+    if names.TypeAdapter is TypeAdapter:
+        setattr(names, "TypeAdapter", cached_type_adapter)  # noqa: B010 (a module global, typed as the class)
+
+
 @functools.cache
 def lean_serving_class(lend: Callable[[str, LoopBody], None]) -> type:
     """``OpenAIServingResponses`` whose simple streaming loop is the filter's: vLLM 0.33.0's
