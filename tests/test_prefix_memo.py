@@ -118,6 +118,67 @@ def test_an_agents_growing_conversation_renders_to_vllms_prompt(models):
     assert len(previous) > 5_000
 
 
+def test_an_agents_growing_responses_conversation_renders_to_vllms_prompt(models):
+    """The same through vLLM's Responses server, which asks the tokenizer for special tokens on the
+    rendered prompt (chat does not): they add none on this tokenizer, so the memo takes the prompt,
+    and the ids are still vLLM's own."""
+    from derender.endpoints.responses.endpoint import render_responses
+
+    ours, plain = models
+    memo = ours.prompt_memo
+    assert longprompt.adds_no_special_tokens(ours.renderer.get_tokenizer())
+
+    async def prompt_of(model, raw: bytes) -> list[int]:
+        rendered = await render_responses(model, raw, None)
+        rendered.session.cancel()
+        return rendered.prompt_token_ids
+
+    tools = [{"type": "function", "name": f"tool_{k}", "description": "Reads a file. " * 30,
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}} for k in range(12)]
+    items: list[dict] = [{"role": "user", "content": "Fix the failing test in parser.py"}]
+    previous: list[int] = []
+    for turn in range(4):
+        body = {"model": "qwen3", "instructions": "You are a coding agent. Follow the rules. " * 300, "input": items,
+                "tools": tools, "max_output_tokens": 10}
+        raw = json.dumps(body).encode()
+        reused = memo.reused_ids
+        mine = asyncio.run(prompt_of(ours, raw))
+        theirs = asyncio.run(prompt_of(plain, raw))
+        assert mine == theirs, turn
+        assert memo.reused_ids - reused >= len(previous) - 5, turn
+        previous = mine
+        items = [*items, {"type": "function_call", "call_id": f"call_{turn}", "name": "tool_1",
+                          "arguments": json.dumps({"path": f"f{turn}.py"})},
+                 {"type": "function_call_output", "call_id": f"call_{turn}", "output": f"contents of f{turn}.py\n" * 50}]
+    assert len(previous) > 5_000
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_special_tokens_asked_for_add_none_where_the_check_says_so(hf_tokenizer, data):
+    """``adds_no_special_tokens`` lets a prompt that asks for special tokens (a Responses prompt) take
+    the memo and the pieces: on each shipped tokenizer it says so, and then both encodings agree."""
+    assert longprompt.adds_no_special_tokens(hf_tokenizer)
+    text = data.draw(SEGMENT, "text before the first turn") + data.draw(turns(hf_tokenizer), "turns")
+    assert hf_tokenizer(text, add_special_tokens=True)["input_ids"] == hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_tokenizer_that_adds_a_bos_keeps_vllms_call(qwen3_dir):
+    """A post-processor that adds a token (a BOS, as many tokenizers' do): the check says no, and
+    such a prompt is tokenized by vLLM's own call."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from derender.translate import vllm_seams
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    backend = vllm_seams.raw_tokenizer(tokenizer)
+    bos = "<|endoftext|>"
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, backend.token_to_id(bos))])
+    assert tokenizer("hi", add_special_tokens=True)["input_ids"] != tokenizer("hi", add_special_tokens=False)["input_ids"]
+    assert not longprompt.adds_no_special_tokens(tokenizer)
+
+
 def test_no_cut_where_another_added_tokens_match_could_cover_it(qwen3_dir):
     """A special token ending with what a turn opener begins with wins the leftmost match: no cut there.
     (The tokenizer matches special tokens first, then the others on what is left; boundaries() treats

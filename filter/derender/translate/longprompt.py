@@ -17,7 +17,7 @@ normalization never combines across an ASCII character, and no added token
 spans it. So tokenizing the pieces gives the same ids as the whole, provided
 the tokenizer is built only from parts for which that reasoning holds
 (``splittable``); each cut is also checked on the text around it. Anything
-else (other tokenizers, offsets, special tokens added by the tokenizer, short
+else (other tokenizers, offsets, special tokens the tokenizer would add, short
 text) takes vLLM's own path unchanged.
 """
 
@@ -191,6 +191,23 @@ def encode_each(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 # in pieces on two threads (for tests and the curious).
 split_prompts = 0
 
+# A text with letters, digits, spaces and more than one script: what a special-token probe encodes.
+PROBE = "Hello, world: 42 東京 ok"
+
+
+def adds_no_special_tokens(tokenizer: Any) -> bool:
+    """Whether ``add_special_tokens=True`` encodes a text as ``False`` does: the tokenizer's
+    post-processor (where a fast tokenizer adds BOS / EOS) adds no token to one sequence, and a
+    probe encodes alike both ways. vLLM's Responses server asks for special tokens on the rendered
+    prompt, its chat server not; where they add nothing, a Responses prompt may take the same
+    pieces and held prefixes as a chat prompt."""
+    backend = vllm_seams.raw_tokenizer(tokenizer)
+    post = getattr(backend, "post_processor", None)
+    if post is not None and post.num_special_tokens_to_add(False) != 0:
+        return False
+    both = [tokenizer(PROBE, add_special_tokens=flag)["input_ids"] for flag in (True, False)]
+    return both[0] == both[1]
+
 
 def install(renderer: Any) -> tuple[bool, prefixmemo.PrefixMemo | None]:
     """Route the renderer's long text prompts through its prefix memo, else ``pieces`` and ``encode``.
@@ -204,6 +221,7 @@ def install(renderer: Any) -> tuple[bool, prefixmemo.PrefixMemo | None]:
     markers = prefixmemo.boundaries(tokenizer)
     memo = prefixmemo.PrefixMemo(markers, lambda texts: encode_each(tokenizer, texts)) if markers else None
     shortest = min(MIN_CHARS, prefixmemo.MIN_CHARS) if memo is not None else MIN_CHARS  # shorter: vLLM's call
+    plain = adds_no_special_tokens(tokenizer)  # special tokens asked for (Responses) change nothing
 
     def tokenize_prompt(prompt: Any, params: Any) -> Any:
         global split_prompts
@@ -211,7 +229,8 @@ def install(renderer: Any) -> tuple[bool, prefixmemo.PrefixMemo | None]:
         if not isinstance(text, str) or len(text) < shortest:
             return original(prompt, params)
         kwargs = params.get_encode_kwargs()
-        if kwargs.get("add_special_tokens") or vllm_seams.renderer_wants_offsets(renderer, prompt, params):
+        special = kwargs.get("add_special_tokens") and not plain
+        if special or vllm_seams.renderer_wants_offsets(renderer, prompt, params):
             return original(prompt, params)
         ids = memo.encode(text) if memo is not None and len(text) >= prefixmemo.MIN_CHARS else None
         if ids is None:
