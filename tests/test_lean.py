@@ -297,6 +297,45 @@ def test_lean_messages_path_sends_vllms_bytes(name):
         lean_stream.templated, lean_stream.converted, lean_stream.handled)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gpt-oss"])  # the configurations with a tool parser (qwen2-vl: qwen3's)
+@pytest.mark.parametrize("calls", [1, 2])
+def test_lean_messages_tool_arguments_take_the_template(name, calls):
+    """A tool call's arguments, one token per event, in one or two calls, with and without text
+    before them: identical bytes to vLLM's chain, and the converter takes only the deltas that open
+    a block or change the call; the argument deltas between are a template's, the converter getting
+    them as one delta before anything else. Whether they made complete JSON decides the
+    ``stop_reason`` when a stop string ends the stream (``tool_use`` if so, else ``stop_sequence``):
+    a stop string "}" ends gpt-oss's arguments complete; a length cut ends them short."""
+    from derender.endpoints.messages import LeanMessagesStream, MessagesStream, render_messages
+
+    model, answers = served(name)
+
+    def rendered(body: dict):
+        return asyncio.run(render_messages(model, json.dumps(body).encode(), "lean-diff"))
+
+    args = [{"city": "Paris, France", "unit": "celsius", "note": "東京 🤖 \\ \"x\""}, {"tz": "Europe/Paris"}]
+    chosen = [("get_weather", args[0]), ("get_time", args[1])][:calls]
+    for content in ("", "Let me look that up."):
+        ids = answers.answer("The user asks for the weather.", content, chosen, end=True, think=True)
+        for cut, stop in ((None, None), (len(ids) - 6, None), (None, "}")):
+            chat = {"model": name, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                    "max_tokens": 2000, "tools": TOOLS, **({"stop": [stop]} if stop else {})}
+            body = messages_body(chat)
+            payloads = events(ids if cut is None else ids[:cut], [1], False, "stop" if cut is None else "length")
+            reference = MessagesStream(vllm_path(model), rendered(body))
+            lean_stream = LeanMessagesStream(model, rendered(body))
+            vllm_bytes, lean_bytes = run_vllm(reference, payloads), run(lean_stream, payloads)
+            assert clean(lean_bytes) == clean(vllm_bytes), (content, cut, stop)
+            assert b"input_json_delta" in lean_bytes
+            if cut is not None:
+                assert b'"stop_reason":"max_tokens"' in lean_bytes
+            elif stop is None or name == "gpt-oss":  # the case that reads the held arguments at the end
+                assert b'"stop_reason":"tool_use"' in lean_bytes, lean_bytes[-300:]
+            # each block's first delta, and each call's first argument delta, go to the converter
+            assert lean_stream.converted <= 3 + 2 * calls, (lean_stream.converted, lean_stream.templated)
+            assert lean_stream.templated >= lean_stream.handled // 3, (lean_stream.templated, lean_stream.handled)
+
+
 def _shape(info) -> tuple:
     if info is None:
         return (None,)

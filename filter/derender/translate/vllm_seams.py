@@ -197,7 +197,7 @@ def include_reasoning_tokens_details(serving_chat: Any) -> bool:
     return bool(serving_chat._include_reasoning_tokens_details)
 
 
-# -- the Messages request (endpoints/messages.py) ---------------------------------------------------
+# -- the Messages request (endpoints/messages/) ---------------------------------------------------
 @_seam(
     "messages inline system",
     "vllm.entrypoints.anthropic.serving:AnthropicServingMessages.__init__",
