@@ -438,8 +438,9 @@ def test_stream_path_vllm_turns_it_off(monkeypatch):
 
 def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
     """A process serving only ``--stream-path vllm`` runs vLLM's parser engine and Responses server as
-    they are: the shared drop tables and compiled regex calls (``parser_tables``) and the Responses
-    server's cached ``TypeAdapter`` are the lean path's, installed by a lean model only."""
+    they are: the shared drop tables, compiled regex calls and delta models' validators
+    (``parser_tables``) and the Responses server's cached ``TypeAdapter`` are the lean path's,
+    installed by a lean model only."""
     import subprocess
     import sys
 
@@ -451,9 +452,12 @@ def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
         "from vllm.entrypoints.openai.responses import serving as responses\n"
         "import pydantic, regex, sys\n"
         "from vllm.tool_parsers import hermes_tool_parser as hermes\n"
+        "from vllm.entrypoints.generate.base.protocol import DeltaMessage\n"
+        "vllms_validator = DeltaMessage.__pydantic_validator__\n"
         "def patched():\n"
         "    return (getattr(engine._build_drop_info, 'derender_memo', False), hermes.re is not regex,\n"
-        "            responses.TypeAdapter is not pydantic.TypeAdapter)\n"
+        "            responses.TypeAdapter is not pydantic.TypeAdapter,\n"
+        "            DeltaMessage.__pydantic_validator__ is not vllms_validator)\n"
         "model = Model(ModelSpec(model=sys.argv[1], settings=Settings(stream_path='vllm')))\n"
         "serving_responses(model)\n"
         "print('vllm', *patched())\n"
@@ -462,7 +466,7 @@ def test_stream_path_vllm_leaves_vllm_unpatched(qwen3_dir):
     )
     out = subprocess.run([sys.executable, "-c", code, qwen3_dir], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[-3:-1] == ["vllm False False False", "lean True True True"], out.stdout
+    assert out.stdout.split("\n")[-3:-1] == ["vllm False False False False", "lean True True True True"], out.stdout
 
 
 def test_both_paths_through_envoy_send_the_same_bytes(qwen3_dir, script):

@@ -82,24 +82,41 @@ def test_held_patterns_are_bounded():
     assert len(compiled._compiled) == parser_tables.MAX_PATTERNS
 
 
-def test_unpatched_gives_the_modules_vllms_objects_back():
-    from vllm.tool_parsers import hermes_tool_parser as hermes
+def _restore(patched: list[str]) -> None:
+    """What ``patch_parsers`` patched (its names), as it was."""
     from vllm.tool_parsers import utils
 
     vllms = {"re": regex, "is_complete_json": utils.is_complete_json}
+    validators = {f"{cls.__module__}.{cls.__name__}": theirs for cls, theirs, _ in parser_tables._model_swaps()}
+    for dotted in patched:
+        owner, name = dotted.rsplit(".", 1)
+        if name == "__pydantic_validator__":
+            module, cls = owner.rsplit(".", 1)
+            setattr(getattr(sys.modules[module], cls), name, validators[owner])
+        else:
+            setattr(sys.modules[owner], name, vllms[name])
+
+
+def test_unpatched_gives_the_modules_vllms_objects_back():
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.tool_parsers import hermes_tool_parser as hermes
+    from vllm.tool_parsers import utils
+
+    (_, vllms_validator, ours), _ = parser_tables._model_swaps()
     patched = parser_tables.patch_parsers()  # none if a lean model in this process did it before
     try:
         assert isinstance(hermes.re, parser_tables.CompiledRegex)
         assert hermes.is_complete_json is parser_tables.is_complete_json
         assert utils.is_complete_json is not parser_tables.is_complete_json  # vLLM's own module keeps its own
+        assert DeltaMessage.__pydantic_validator__ is ours
         with parser_tables.unpatched():
             assert hermes.re is regex and hermes.is_complete_json is utils.is_complete_json
+            assert DeltaMessage.__pydantic_validator__ is vllms_validator
         assert isinstance(hermes.re, parser_tables.CompiledRegex)
         assert hermes.is_complete_json is parser_tables.is_complete_json
+        assert DeltaMessage.__pydantic_validator__ is ours
     finally:
-        for dotted in patched:  # as it was
-            module, name = dotted.rsplit(".", 1)
-            setattr(sys.modules[module], name, vllms[name])
+        _restore(patched)
 
 
 def _json_values():
@@ -140,3 +157,66 @@ def test_is_complete_json_answers_as_vllms():
               b"{}", 12, None]:
         assert _outcome(parser_tables.is_complete_json, t) == _outcome(vllms, t), repr(t)[:40]
     assert any(quick) and not all(quick)
+
+
+def _delta_kwargs():
+    """Keyword arguments of ``DeltaMessage`` as the parsers pass them, and some no parser passes:
+    tool calls as models or dicts, a field beyond the model's (it allows extras), a wrong type."""
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
+
+    text = st.one_of(st.none(), st.text(max_size=6))
+    function = st.one_of(st.none(), st.builds(DeltaFunctionCall, name=text, arguments=text),
+                         st.fixed_dictionaries({}, optional={"name": text, "arguments": text}))
+    call = st.one_of(
+        st.builds(DeltaToolCall, index=st.integers(0, 3), id=text, function=function),
+        st.fixed_dictionaries({"index": st.one_of(st.integers(0, 3), st.just("x"))},
+                              optional={"id": text, "type": st.sampled_from(["function", None]), "function": function,
+                                        "extra": st.integers()}),
+    )
+    return st.fixed_dictionaries({}, optional={"role": st.sampled_from(["assistant", None]), "content": text,
+                                               "reasoning": text, "tool_calls": st.lists(call, max_size=2),
+                                               "unknown": st.integers(), "content ": st.just(3)})
+
+
+def _built(cls, kwargs):
+    try:
+        model = cls(**kwargs)
+    except Exception as exc:  # noqa: BLE001  both must refuse alike
+        return type(exc), str(exc).split("\n")[0]
+    return (model.model_dump_json(exclude_unset=True), model.model_dump_json(), sorted(model.model_fields_set),
+            model.__pydantic_extra__, repr(model))
+
+
+def test_delta_models_without_the_extra_field_logger_validate_as_vllms():
+    """``DeltaMessage`` and ``DeltaToolCall`` on the lean path's validator (vLLM's schema less its
+    ``__log_extra_fields__`` wrapper, nested ones too) build what vLLM's build from any keyword
+    arguments: the same fields set, extras, values and serialization, the same refusals; and the
+    wrapper is gone from both (so the test compares two validators)."""
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage, DeltaToolCall
+
+    swaps = parser_tables._model_swaps()
+    assert [cls for cls, _, _ in swaps] == [DeltaMessage, DeltaToolCall]
+    for cls, theirs, ours in swaps:
+        assert ours is not theirs
+        assert "__log_extra_fields__" not in repr(ours) and "__log_extra_fields__" in repr(theirs)
+    patched = parser_tables.patch_parsers()  # none if a lean model in this process did it before
+    try:
+        assert DeltaMessage.__pydantic_validator__ is swaps[0][2]
+
+        @settings(max_examples=400, deadline=None)
+        @given(_delta_kwargs())
+        def check(kwargs):
+            ours = _built(DeltaMessage, kwargs)
+            with parser_tables.unpatched():
+                assert DeltaMessage.__pydantic_validator__ is swaps[0][1]
+                theirs = _built(DeltaMessage, kwargs)
+            assert ours == theirs, kwargs
+            for call in kwargs.get("tool_calls", ()):
+                if isinstance(call, dict):
+                    ours = _built(DeltaToolCall, call)
+                    with parser_tables.unpatched():
+                        assert ours == _built(DeltaToolCall, call), call
+
+        check()
+    finally:
+        _restore(patched)

@@ -197,6 +197,32 @@ def include_reasoning_tokens_details(serving_chat: Any) -> bool:
     return bool(serving_chat._include_reasoning_tokens_details)
 
 
+# -- the parsers' delta models (translate/parser_tables.py) ---------------------------------------------
+EXTRA_FIELD_LOGGER = "vllm.entrypoints.serve.engine.protocol:OpenAIBaseModel.__log_extra_fields__"
+# The sha256 of vLLM 0.33.0's source of it: it validates, then logs a request's unknown fields, nothing else.
+EXTRA_FIELD_LOGGER_SOURCE = "6f963e0ab2f731b8175eb134b2930d00028b52bc1fc8013259798d7dcf7423a1"
+
+
+@_seam(
+    "delta models' extra-field logger",
+    EXTRA_FIELD_LOGGER,
+    "the lean path validates the parsers' delta models (DeltaMessage, DeltaToolCall) without this "
+    "wrapping validator, which only logs; if it changed, they keep it",
+)
+def _check_extra_field_logger() -> None:
+    _same_source("delta models' extra-field logger", EXTRA_FIELD_LOGGER, EXTRA_FIELD_LOGGER_SOURCE)
+
+
+def extra_field_logger() -> Any:
+    """The function under vLLM's ``OpenAIBaseModel.__log_extra_fields__`` validator, or None if it
+    is no longer the one that only logs."""
+    try:
+        _check_extra_field_logger()
+        return inspect.unwrap(_find(EXTRA_FIELD_LOGGER)).__func__
+    except (SeamChanged, AttributeError, OSError, TypeError):
+        return None
+
+
 # -- the Messages request (endpoints/messages/) ---------------------------------------------------
 @_seam(
     "messages inline system",
