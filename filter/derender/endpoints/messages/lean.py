@@ -120,8 +120,8 @@ class LeanMessagesStream(LeanChatStream):
         function = call.function
         if call.id is not None or function is None or not function.arguments:
             return None
-        if self._tool_ids.get(call.index) != block.tool_id:
-            return None
+        if block.tool_id is None or self._tool_ids.get(call.index) != block.tool_id:
+            return None  # the converter writes nothing for a call it has no id for
         if self._held and call.index != self._held_index:
             return None
         return function.arguments
