@@ -220,3 +220,21 @@ def test_delta_models_without_the_extra_field_logger_validate_as_vllms():
         check()
     finally:
         _restore(patched)
+
+
+def test_a_moved_extra_field_logger_leaves_the_delta_models_vllms():
+    """If the installed vLLM's ``__log_extra_fields__`` is not the one read (its source's digest), the
+    seam says so and the delta models keep vLLM's validator: nothing to swap."""
+    import subprocess
+
+    code = (
+        "from derender.translate import parser_tables, vllm_seams\n"
+        "print(len(parser_tables._model_swaps()))\n"
+        "vllm_seams.EXTRA_FIELD_LOGGER_SOURCE = '0' * 64\n"
+        "vllm_seams._moved_once.cache_clear()\n"
+        "parser_tables._model_validators = None\n"
+        "print(len(parser_tables._model_swaps()), 'delta models\\' extra-field logger' in vllm_seams.moved())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-3:-1] == ["2", "0 True"], out.stdout

@@ -214,13 +214,11 @@ def _check_extra_field_logger() -> None:
 
 
 def extra_field_logger() -> Any:
-    """The function under vLLM's ``OpenAIBaseModel.__log_extra_fields__`` validator, or None if it
-    is no longer the one that only logs."""
-    try:
-        _check_extra_field_logger()
-        return inspect.unwrap(_find(EXTRA_FIELD_LOGGER)).__func__
-    except (SeamChanged, AttributeError, OSError, TypeError):
+    """The function under vLLM's ``OpenAIBaseModel.__log_extra_fields__`` validator, or None if that
+    seam moved (the checks run once per process, as ``lean_holds`` reads them)."""
+    if any(name == "delta models' extra-field logger" for name, _ in _moved_once()):
         return None
+    return inspect.unwrap(_find(EXTRA_FIELD_LOGGER)).__func__
 
 
 # -- the Messages request (endpoints/messages/) ---------------------------------------------------
