@@ -12,6 +12,8 @@ import threading
 import grpc
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -223,3 +225,26 @@ def test_replies_made_in_one_loop_turn_leave_in_one_send(monkeypatch):
     assert {s: r.request_headers.response.body_mutation.body for s, r in data} == {1: b"/one", 3: b"/three"}
     replies = [send for send in sends if {s for kind, _, s, _ in frames(send) if kind == http2.DATA} == {1, 3}]
     assert len(replies) == 1, [[(k, s) for k, _, s, _ in frames(send)] for send in sends]
+
+
+@pytest.mark.parametrize("size", [0, 1, 100, 127, 128, 129, 16383, 16384, 16385, 2_097_151, 2_097_152, 4_000_000])
+def test_a_streamed_chunks_reply_in_wire_form_is_protobufs(size):
+    """The reply to each streamed chunk is written by hand (``messages.encoded_body_reply``), not built
+    as four protobuf messages: its bytes are what protobuf writes for the same reply, at every length
+    where a length's varint grows a byte (an empty body: the body cleared), and they parse back to it."""
+    from derender.extproc.messages import body_reply, encoded_body_reply
+
+    body = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    built = body_reply(body)
+    encoded = encoded_body_reply(body)
+    assert encoded == built.SerializeToString()
+    assert encoded.SerializeToString() == built.SerializeToString()  # what the HTTP/2 transport sends
+    assert pb.ProcessingResponse.FromString(encoded) == built
+    assert built.response_body.response.body_mutation.clear_body == (size == 0)
+
+
+@given(body=st.binary(max_size=70_000))
+def test_any_streamed_chunks_reply_in_wire_form_is_protobufs(body):
+    from derender.extproc.messages import body_reply, encoded_body_reply
+
+    assert encoded_body_reply(body) == body_reply(body).SerializeToString()

@@ -328,6 +328,8 @@ class StreamObserver:
         if histogram is None:
             histogram = _MESSAGE_HISTOGRAMS[self._kind] = MESSAGE_DURATION.labels(self._kind)
         histogram.observe(elapsed)
+        if isinstance(response, bytes):  # a streamed chunk's reply in its wire form: no status in it
+            return
         which = response.WhichOneof("response")
         if which == "immediate_response":
             self.status = response.immediate_response.status.code
