@@ -16,6 +16,8 @@ NAMES = {
     "hermes-fds": "Envoy + derender, qwen3 + hermes, FDS",
     "hermes-grpcio": "Envoy + derender, qwen3 + hermes, --transport grpcio",
     "vllm-coupled": "vLLM coupled API server, qwen3 + hermes (asked directly)",
+    "vllm-coupled-messages": "vLLM coupled API server, qwen3 + hermes, /v1/messages (asked directly)",
+    "vllm-coupled-responses": "vLLM coupled API server, qwen3 + hermes, /v1/responses (asked directly)",
     "hermes-messages": "Envoy + derender, qwen3 + hermes, /v1/messages",
     "hermes-responses": "Envoy + derender, qwen3 + hermes, /v1/responses",
 }
@@ -263,9 +265,22 @@ def paced_ratios(runs: dict) -> list[str]:
             parts.append(f"paired rounds {' / '.join(f'{x:.2f}' for x in paired)} (median "
                          f"**{statistics.median(paired):.2f}x**)")
             any_paired = True
+        # Messages and Responses against the coupled server asked through the same API (vLLM's own
+        # Anthropic converter and Responses server on the same token streams).
+        api = name.removeprefix("hermes-")
+        same = total(f"vllm-coupled-{api}") if api in ("messages", "responses") else None
+        if same:
+            parts.append(f"{mine / same:.2f}x vLLM coupled on /v1/{api}")
+            if paired := paired_ratios(runs.get(name, {}), runs.get(f"vllm-coupled-{api}", {})):
+                parts.append(f"paired rounds {' / '.join(f'{x:.2f}' for x in paired)} (median "
+                             f"**{statistics.median(paired):.2f}x** on /v1/{api})")
         parts = [p for p in parts if p]
         if parts:
             lines.append(f"- {NAMES.get(name, name)}: Envoy + ext_proc {mine:.0f} us/token, " + ", ".join(parts))
+    for api in ("messages", "responses"):
+        same = total(f"vllm-coupled-{api}")
+        if same and coupled:
+            lines.append(f"- {NAMES[f'vllm-coupled-{api}']}: {same:.0f} us/token, {same / coupled:.2f}x its chat")
     if any_paired:
         lines += ["", "The first ratio is the two median rounds' (by tokens/s). The paired rounds divide each round's "
                   "Envoy + ext_proc CPU per token by the coupled server's in the same round (the paths ran one after "

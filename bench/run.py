@@ -227,7 +227,14 @@ class Bench:
             post(self.coupled_url + "/bench/delay", {"delay": knobs["delay"], "lockstep": knobs["lockstep"]})
 
     def with_coupled(self) -> dict[str, Config]:
-        return {**self.configs, self.coupled.name: self.coupled}
+        return {**self.configs, self.coupled.name: self.coupled, **self.coupled_agents()}
+
+    def coupled_agents(self) -> dict[str, Config]:
+        """vLLM's coupled server asked the same streams through its own /v1/messages and /v1/responses:
+        the like-for-like anchor of the filter's Messages and Responses rows."""
+        return {f"vllm-coupled-{endpoint}": Config(f"vllm-coupled-{endpoint}", None, self.coupled.server, chat=True,
+                                                   tools=True, endpoint=endpoint, url=self.coupled_url)
+                for endpoint in ("messages", "responses")}
 
     def request(self, config: Config) -> tuple[str, bytes]:
         """URL and body for one stream of ``config``."""
@@ -599,9 +606,10 @@ def main() -> int:
             return finish(args, results)
         if args.only == "paced":
             log("phase: throughput (paced: echo and the filter on chat on both transports, Messages and Responses, "
-                "vLLM coupled)")
+                "vLLM coupled on the same three APIs)")
             results["throughput"] = bench.throughput(("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-messages",
-                                                      "hermes-responses", "vllm-coupled"))
+                                                      "hermes-responses", "vllm-coupled", "vllm-coupled-messages",
+                                                      "vllm-coupled-responses"))
             return finish(args, results)
         # vLLM's derender streams take minutes of one core. Latency, throughput and time to first
         # token need the machine to themselves: the streams run (on their own simulator and server)
