@@ -225,8 +225,13 @@ class ResponsesStream(ChatStream):
 
     async def flush(self) -> bytes:
         """The events vLLM wrote for the outputs so far."""
-        await self.session.settle()
-        return self.session.take_frames()
+        session = self.session
+        if session.task is not None and session.task.done() and session.takes_direct():
+            # vLLM's generator waits for the next output and nothing is queued for it (the outputs
+            # went through the lean loop body, ``feed``): ``settle`` would run nothing.
+            return session.take_frames()
+        await session.settle()
+        return session.take_frames()
 
     def close(self) -> None:
         self.finished = True
