@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -264,6 +265,15 @@ def test_ports_are_drawn_from_derender_port_range(monkeypatch):
     ports = [free_port() for _ in range(20)]
     assert all(23000 <= port < 23100 for port in ports), ports
     assert len(set(ports)) == len(ports)
+    # A port the process was told to bind (``up --port``) is never drawn for one of its children.
+    monkeypatch.setenv("DERENDER_PORT_RANGE", "23200-23202")
+    monkeypatch.setattr(children, "_CLAIMED", set())
+    children.claim(23200)
+    drawn = []
+    for _ in range(10):
+        monkeypatch.setattr(children, "_HANDED_OUT", collections.deque(maxlen=256))  # none handed out lately
+        drawn.append(free_port())
+    assert drawn == [23201] * 10, drawn
     monkeypatch.delenv("DERENDER_PORT_RANGE")  # else: below the kernel's ephemeral range
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert children.port_range() == ((10000, low) if low > 12000 else None)

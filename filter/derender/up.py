@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .extproc import health
 from .ops import assets, envoy_config
-from .ops.children import Child, free_port, http_ok
+from .ops.children import Child, claim, free_port, http_ok
 from .routeflags import flow_flags, handoff_flags
 from .routing.config import ConfigError, envoy_clusters, load
 
@@ -140,6 +140,7 @@ def simulated_cache(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    claim(args.port, args.filter_port)  # no child of this stack draws a port it must bind
     entries = None
     if getattr(args, "config", None):  # several models: their producers are in the file
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 _HANDED_OUT: deque[int] = deque(maxlen=256)  # the ports ``free_port`` gave lately
+_CLAIMED: set[int] = set()  # the ports this process was told to bind (``claim``)
 
 
 def _ephemeral_low() -> int:
@@ -45,7 +46,8 @@ def port_range() -> tuple[int, int] | None:
 def free_port() -> int:
     """A loopback port nothing listens on, for a program to bind. Drawn below the kernel's ephemeral
     range (``ip_local_port_range``): a port from it, free now, can be taken by any outgoing
-    connection before that program binds it. Never one this process handed out lately.
+    connection before that program binds it. Never one this process handed out lately, nor one it
+    claimed (``claim``).
 
     Two programs drawing side by side (two ``derender up``, two test workers) can draw the same port
     and race to bind it; ``DERENDER_PORT_RANGE`` gives each a range of its own."""
@@ -58,10 +60,16 @@ def free_port() -> int:
                 port = s.getsockname()[1]
         except OSError:
             continue
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and port not in _CLAIMED:
             _HANDED_OUT.append(port)
             return port
     raise OSError("no free loopback port found")
+
+
+def claim(*ports: int | None) -> None:
+    """Ports this process was told to bind (``derender up --port``): ``free_port`` never hands them
+    out, or one of the program's own children could take the port before it binds it."""
+    _CLAIMED.update(port for port in ports if port)
 
 
 def tcp_open(port: int) -> bool:
