@@ -142,7 +142,10 @@ CALL = st.tuples(st.sampled_from(["get_weather", "get_time"]),
 
 
 @st.composite
-def streams(draw, name: str):
+def streams(draw, name: str, chat_knobs: bool = True):
+    """A request and the producer's events for it. ``chat_knobs``: the request may turn thinking off
+    (``chat_template_kwargs``) and name a stop string, which only a chat request can say; without
+    them a drawn answer without thinking is still drawn, asked for with thinking on."""
     _, answers = served(name)
     tools = answers.tools
     think = draw(st.booleans()) if name in ("qwen3", "qwen3-no-parser") else True
@@ -174,9 +177,9 @@ def streams(draw, name: str):
         body["parallel_tool_calls"] = draw(st.booleans())
     if draw(st.integers(0, 3)) == 0:
         body["include_reasoning"] = False
-    if not think:
+    if not think and chat_knobs:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    if content and draw(st.integers(0, 4)) == 0:
+    if chat_knobs and content and draw(st.integers(0, 4)) == 0:
         word = content[len(content) // 3 : len(content) // 3 + 2].strip()
         if word:
             body["stop"] = [word]
@@ -570,11 +573,11 @@ def test_lean_responses_path_sends_vllms_bytes(name):
     done = []
 
     @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(streams(name), st.booleans())
+    # Every drawn example counts: a draw that fell on a chat-only knob (and was passed over) left as
+    # few as 23 of 100 examples to run, too few for the sums below to hold for every seed.
+    @given(streams(name, chat_knobs=False), st.booleans())
     def check(drawn, logprobs):
         chat, payloads = drawn
-        if chat.get("chat_template_kwargs") or "stop" in chat:  # chat-only knobs
-            return
         body = responses_body(chat, logprobs)
         if logprobs:  # the producer's logprob rows: the sampled token and two candidates
             payloads = [with_logprobs(p) for p in payloads]
