@@ -140,7 +140,7 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
                                           envoy_concurrency=envoy_threads or args.envoy_concurrency)
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
-        url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
+        url = envoy.url + streams.API_PATHS[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         threads0, stats0, envoy0, woke0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu(), wakeups(server.pid)
         results, _ = asyncio.run(load.streams(url, body, args.streams * args.batches, args.streams, ramp=1.0))

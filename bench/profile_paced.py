@@ -97,7 +97,7 @@ def main() -> int:
         server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay)
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
-        url = envoy.url + {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[args.api]
+        url = envoy.url + streams.API_PATHS[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         stop = threading.Event()
 

@@ -86,6 +86,10 @@ def chat_request(model: str, tools: bool, prompt: str | None = None, max_tokens:
     return body
 
 
+# Where each API is asked, by the name the bench scripts take (``--api``).
+API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+
+
 def agent_request(chat: dict, endpoint: str) -> dict:
     """``chat`` as the same question to /v1/messages (Anthropic) or /v1/responses (OpenAI)."""
     system = next(m["content"] for m in chat["messages"] if m["role"] == "system")
