@@ -21,7 +21,8 @@ transport and Envoy included) decides what is kept.
 two APIs, through the servicer.
 
 ``--toggle FILE``: a Python file defining ``on()`` and ``off()``, which switch the lever (patch a
-method, a flag); setting A is ``off()``, B is ``on()``. ``--vs-api``: setting A is that API, B is
+method, a flag); setting A is ``off()``, B is ``on()``. ``bench/toggles/`` keeps the ones a measurement in
+``docs/performance.md`` names. ``--vs-api``: setting A is that API, B is
 ``--api``, lever-free.
 """
 
