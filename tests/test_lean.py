@@ -142,10 +142,11 @@ CALL = st.tuples(st.sampled_from(["get_weather", "get_time"]),
 
 
 @st.composite
-def streams(draw, name: str, chat_knobs: bool = True):
-    """A request and the producer's events for it. ``chat_knobs``: the request may turn thinking off
-    (``chat_template_kwargs``) and name a stop string, which only a chat request can say; without
-    them a drawn answer without thinking is still drawn, asked for with thinking on."""
+def streams(draw, name: str, thinking_off: bool = True, stop: bool = True):
+    """A request and the producer's events for it. ``thinking_off``: the request may turn thinking
+    off (``chat_template_kwargs``, which only a chat request can say; without it a drawn answer
+    without thinking is still drawn, asked for with thinking on). ``stop``: it may name a stop
+    string (Messages says it as ``stop_sequences``; Responses has none)."""
     _, answers = served(name)
     tools = answers.tools
     think = draw(st.booleans()) if name in ("qwen3", "qwen3-no-parser") else True
@@ -177,9 +178,9 @@ def streams(draw, name: str, chat_knobs: bool = True):
         body["parallel_tool_calls"] = draw(st.booleans())
     if draw(st.integers(0, 3)) == 0:
         body["include_reasoning"] = False
-    if not think and chat_knobs:
+    if not think and thinking_off:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    if chat_knobs and content and draw(st.integers(0, 4)) == 0:
+    if stop and content and draw(st.integers(0, 4)) == 0:
         word = content[len(content) // 3 : len(content) // 3 + 2].strip()
         if word:
             body["stop"] = [word]
@@ -257,11 +258,10 @@ def test_lean_messages_path_sends_vllms_bytes(name):
         return asyncio.run(render_messages(model, json.dumps(body).encode(), "lean-diff"))
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(streams(name))
+    # Every drawn example counts (thinking off, a chat-only knob, is not drawn rather than passed over).
+    @given(streams(name, thinking_off=False))
     def check(drawn):
         chat, payloads = drawn
-        if chat.get("chat_template_kwargs"):  # thinking off: a chat-only knob here
-            return
         body = messages_body(chat)
         reference = MessagesStream(vllm_path(model), rendered(body))
         lean_rendered = rendered(body)
@@ -575,7 +575,7 @@ def test_lean_responses_path_sends_vllms_bytes(name):
     @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     # Every drawn example counts: a draw that fell on a chat-only knob (and was passed over) left as
     # few as 23 of 100 examples to run, too few for the sums below to hold for every seed.
-    @given(streams(name, chat_knobs=False), st.booleans())
+    @given(streams(name, thinking_off=False, stop=False), st.booleans())
     def check(drawn, logprobs):
         chat, payloads = drawn
         body = responses_body(chat, logprobs)
