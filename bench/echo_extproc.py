@@ -15,7 +15,7 @@ import argparse
 import logging
 
 import grpc
-from derender.extproc import http2, workers
+from derender.extproc import http2, listen, workers
 from derender.extproc.health import EXT_PROC_SERVICE, Http2Health, add_health
 from grpc.aio import EOF
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -61,12 +61,12 @@ class EchoProcessor(pb_grpc.ExternalProcessorServicer):
         return pb.CommonResponse(body_mutation=mutation)
 
 
-async def serve(host: str, port: int, full_duplex: bool, reuse_port: bool, transport: str) -> None:
+async def serve(host: str, port: int, full_duplex: bool, reuse_port: bool, transport: str, unix=None) -> None:
     processor = EchoProcessor(full_duplex)
     if transport == "http2":  # the filter's default transport
         health = Http2Health(("", EXT_PROC_SERVICE))
         server = http2.Server({PROCESS: (pb.ProcessingRequest.FromString, processor.handle), **health.methods()})
-        await server.start(host, port, reuse_port=reuse_port)
+        await server.start(host, port, reuse_port=reuse_port, unix=unix)
         await server.wait_for_termination()
         return
     server = grpc.aio.server(
@@ -92,9 +92,16 @@ def main() -> int:
     parser.add_argument("--full-duplex", action="store_true", help="answer FULL_DUPLEX_STREAMED bodies")
     parser.add_argument("--transport", choices=("http2", "grpcio"), default="http2",
                         help="the server: the filter's own HTTP/2 (default, as the filter) or grpc.aio")
+    parser.add_argument("--uds", default=None, metavar="PATH", help="also on this Unix socket, as derender serve --uds (http2 only)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    return workers.run(lambda reuse_port: serve(args.host, args.port, args.full_duplex, reuse_port, args.transport), args.port, args.workers)
+    unix = listen.bind_unix(args.uds) if args.uds else None
+    try:
+        return workers.run(lambda reuse_port: serve(args.host, args.port, args.full_duplex, reuse_port, args.transport, unix),
+                           args.port, args.workers)
+    finally:
+        if unix is not None:
+            listen.unbind_unix(unix)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ class QuotaStore:
 
 
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
-              envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = ()) -> dict:
+              envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = (),
+              socket: str = "unix") -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
@@ -137,7 +138,8 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--workers", "1", *flags]
         server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env,
                                           lockstep=args.lockstep,
-                                          envoy_concurrency=envoy_threads or args.envoy_concurrency)
+                                          envoy_concurrency=envoy_threads or args.envoy_concurrency,
+                                          unix=socket == "unix")
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
         url = envoy.url + streams.API_PATHS[args.api]
@@ -192,6 +194,11 @@ def main() -> int:
     parser.add_argument("--after-flow", action="store_true",
                         help="the after tree runs flow control with room to spare (--replica-capacity 1000): what a "
                         "request that finds room pays, and the producer's /metrics read every 0.25 s")
+    parser.add_argument("--socket", choices=["unix", "tcp"], default="unix",
+                        help="how Envoy reaches both trees' filters: a Unix socket (serve --uds, derender up's "
+                        "default) or loopback TCP (a tree from before --uds)")
+    parser.add_argument("--before-socket", choices=["unix", "tcp"], default=None,
+                        help="the before tree's only (with --before . : the sockets A/B)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -210,7 +217,8 @@ def main() -> int:
         for name, tree in trees.items():
             result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None,
                                args.before_frame_layer if name == "before" else None,
-                               traced if name == "after" else ())
+                               traced if name == "after" else (),
+                               (args.before_socket or args.socket) if name == "before" else args.socket)
             rounds[name].append(result)
             print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k in ("msgs", "ttft_ms", "wakeups") else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
@@ -228,7 +236,9 @@ def main() -> int:
         f"{f' --before-envoy-concurrency {args.before_envoy_concurrency}' if args.before_envoy_concurrency else ''}"
         f"{f' --before-frame-layer {args.before_frame_layer}' if args.before_frame_layer != 'own' else ''}"
         f"{' --after-traces' if args.after_traces else ''}{' --after-quotas' if args.after_quotas else ''}"
-        f"{' --after-flow' if args.after_flow else ''}`: "
+        f"{' --after-flow' if args.after_flow else ''}"
+        f"{f' --socket {args.socket}' if args.socket != 'unix' else ''}"
+        f"{f' --before-socket {args.before_socket}' if args.before_socket else ''}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "

@@ -99,10 +99,19 @@ def streams_per_connection() -> int | None:
     return _h2_options(cluster).get("max_concurrent_streams")
 
 
-def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | None, full_duplex: bool = False) -> str:
+def unix_path(name: str) -> str:
+    """A Unix socket's path in the log folder for the ext_proc server ``name`` (``serve --uds``), as
+    ``derender up`` gives its filter one by default (``--filter-socket unix``)."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    return str(LOGS / f"{name}-{os.getpid()}.sock")
+
+
+def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | None, full_duplex: bool = False,
+               unix: str | None = None) -> str:
     """``envoy/local.yaml`` as ``derender up`` renders it; without the ext_proc filter when
     ``filter_port`` is None (Envoy alone); response bodies FULL_DUPLEX_STREAMED if asked;
-    ``STREAMS_PER_CONNECTION`` on the ext_proc cluster."""
+    ``STREAMS_PER_CONNECTION`` on the ext_proc cluster; with ``unix``, the ext_proc reached on that
+    Unix socket (``derender up``'s default) instead of ``filter_port``."""
     text = envoy_config.render(
         LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port or 1, PRODUCER_HOST="127.0.0.1", PRODUCER_PORT=producer_port
     )
@@ -110,6 +119,8 @@ def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | N
     for cluster in config["static_resources"]["clusters"]:
         if cluster["name"] == "derender":
             _h2_options(cluster)["max_concurrent_streams"] = STREAMS_PER_CONNECTION
+    if unix is not None and filter_port is not None:
+        envoy_config.unix_filter_endpoints(config, [unix])
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     filters = manager["http_filters"]
     ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")
@@ -147,13 +158,13 @@ class Envoy:
 
 
 def start_envoy(name: str, producer_port: int, filter_port: int | None, full_duplex: bool = False,
-                concurrency: int | None = None) -> Envoy:
-    """Envoy in front of the producer (and the ext_proc at ``filter_port``), with ``concurrency``
-    worker threads (default ``ENVOY_CONCURRENCY``)."""
+                concurrency: int | None = None, unix: str | None = None) -> Envoy:
+    """Envoy in front of the producer (and the ext_proc at ``filter_port``, or on the Unix socket
+    ``unix``), with ``concurrency`` worker threads (default ``ENVOY_CONCURRENCY``)."""
     port, admin = free_port(), free_port()
     path = LOGS / f"{name}-{os.getpid()}.yaml"
     LOGS.mkdir(parents=True, exist_ok=True)
-    path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex))
+    path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex, unix))
     argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", str(concurrency or ENVOY_CONCURRENCY), "--log-level", "warn", "--disable-hot-restart"]
     proc = Proc(name, argv).start()
     return Envoy(proc, port, admin)
@@ -175,25 +186,27 @@ def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
 def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
                 env: dict[str, str] | None = None, sim: list[str] | None = None,
                 lockstep: bool = False, server: list[str] | None = None,
-                envoy_concurrency: int | None = None) -> tuple[Proc, Envoy]:
+                envoy_concurrency: int | None = None, unix: bool = True) -> tuple[Proc, Envoy]:
     """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the
     caller's ``finally``): a simulator in script mode (``sim``: its program, default ``derender sim``)
     sending ``script``'s tokens one event every ``delay`` seconds, a filter (``derender serve --model
     model_dir`` and ``serve_args``, with ``env``; ``server``: another ext_proc program instead, given
     only ``--port``) producing from it, and Envoy in front (``envoy_concurrency`` threads). Returns the
     ext_proc server and Envoy, both ready. ``lockstep``: every stream's event at the same step
-    (``derender sim --lockstep``), as one GPU decodes its batch."""
+    (``derender sim --lockstep``), as one GPU decodes its batch. ``unix``: Envoy reaches the ext_proc
+    server on a Unix socket (``--uds``), as ``derender up`` does by default; else on its TCP port."""
     sim_port, port = free_port(), free_port()
     producer = Proc(f"{name}-sim", [*(sim or [PYTHON, "-m", "derender.cli", "sim"]), "--model", model_dir, "--port",
                                     str(sim_port), "--mode", "script", "--script", str(script)]).start()
     started.append(producer)
     argv = server or [PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve_args,
                       "--producer", f"http://127.0.0.1:{sim_port}"]
-    ext_proc = Proc(f"{name}-filter", [*argv, "--port", str(port)], env=env).start()
+    uds = unix_path(f"{name}-filter") if unix else None
+    ext_proc = Proc(f"{name}-filter", [*argv, "--port", str(port), *(["--uds", uds] if uds else [])], env=env).start()
     started.append(ext_proc)
     producer.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
     ext_proc.wait(lambda: tcp_open(port), 600)
-    envoy = start_envoy(f"{name}-envoy", sim_port, port, concurrency=envoy_concurrency)
+    envoy = start_envoy(f"{name}-envoy", sim_port, port, concurrency=envoy_concurrency, unix=uds)
     started.append(envoy.proc)
     envoy.proc.wait(lambda: http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
     post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay, "lockstep": lockstep})

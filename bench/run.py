@@ -147,6 +147,13 @@ class Bench:
                     "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 
         vllm_env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
+        # Envoy reaches the filters on their own transport, and the echo floor, on Unix sockets as
+        # `derender up` does by default; the grpc.aio and full-duplex servers (grpc.aio too) on TCP.
+        sockets = {name: p.unix_path(name) for name in ("echo", "plain", "hermes", "hermes-vllm")}
+
+        def uds(name: str) -> list[str]:
+            return ["--uds", sockets[name]]
+
         started = {
             "sim": p.Proc("sim", sim(ports["sim"], self.script)),
             "sim-vllm": p.Proc("sim-vllm", sim(ports["sim-vllm"], self.vllm_script)),
@@ -154,19 +161,21 @@ class Bench:
             "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=vllm_env),
             "coupled": p.Proc("vllm-coupled", [p.PYTHON, str(BENCH / "coupled_vllm.py"), *model, *HERMES_FLAGS,
                                                "--port", str(ports["coupled"]), "--script", str(self.script)], env=vllm_env),
-            "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *fixed]),
+            "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *fixed,
+                                    *uds("echo")]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),
                                             "--full-duplex", *fixed]),
             # The transport before extproc.http2: grpc.aio, for the echo floor and the filter.
             "echo-grpcio": p.Proc("echo-grpcio", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port",
                                                   str(ports["echo-grpcio"]), "--transport", "grpcio", *fixed]),
-            "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers]),
+            "plain": p.Proc("filter-plain", [*derender, "serve", *model, "--port", str(ports["plain"]), "--producer", sim_url, *workers,
+                                             *uds("plain")]),
             "hermes": p.Proc("filter-hermes", [*derender, "serve", *model, *HERMES_FLAGS, "--port", str(ports["hermes"]),
-                                               "--producer", sim_url, *workers]),
+                                               "--producer", sim_url, *workers, *uds("hermes")]),
             # The same filter on vLLM's stream path for every event (--stream-path vllm): the lean path's before.
             "hermes-vllm": p.Proc("filter-hermes-vllm", [*derender, "serve", *model, *HERMES_FLAGS, "--port",
                                                          str(ports["hermes-vllm"]), "--producer", sim_url, *workers,
-                                                         "--stream-path", "vllm"]),
+                                                         "--stream-path", "vllm", *uds("hermes-vllm")]),
             "hermes-grpcio": p.Proc("filter-hermes-grpcio", [*derender, "serve", *model, *HERMES_FLAGS, "--port",
                                                              str(ports["hermes-grpcio"]), "--producer", sim_url, *workers,
                                                              "--transport", "grpcio"]),
@@ -188,11 +197,11 @@ class Bench:
             started[name].wait(lambda port=ports[name]: p.tcp_open(port), 600)
         envoys = {
             "envoy": p.start_envoy("envoy-alone", ports["sim"], None),
-            "echo": p.start_envoy("envoy-echo", ports["sim"], ports["echo"]),
+            "echo": p.start_envoy("envoy-echo", ports["sim"], ports["echo"], unix=sockets["echo"]),
             "echo-fds": p.start_envoy("envoy-echo-fds", ports["sim"], ports["echo-fds"], full_duplex=True),
-            "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"]),
-            "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"]),
-            "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"]),
+            "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"], unix=sockets["plain"]),
+            "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"], unix=sockets["hermes"]),
+            "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"], unix=sockets["hermes-vllm"]),
             "hermes-fds": p.start_envoy("envoy-hermes-fds", ports["sim"], ports["hermes-fds"], full_duplex=True),
             "echo-grpcio": p.start_envoy("envoy-echo-grpcio", ports["sim"], ports["echo-grpcio"]),
             "hermes-grpcio": p.start_envoy("envoy-hermes-grpcio", ports["sim"], ports["hermes-grpcio"]),

@@ -128,13 +128,15 @@ class Socket(Frames):
         self.eof = False
 
     @classmethod
-    async def connect(cls, port: int, rcvbuf: int | None = None, settings: bytes = b"") -> Socket:
+    async def connect(cls, port: int | str, rcvbuf: int | None = None, settings: bytes = b"") -> Socket:
+        """To ``port`` on loopback, or to the Unix socket at ``port`` if it is a path."""
         peer = cls()
-        sock = peer.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        unix = isinstance(port, str)
+        sock = peer.sock = socket.socket(socket.AF_UNIX if unix else socket.AF_INET, socket.SOCK_STREAM)
         if rcvbuf is not None:  # before connecting: the window the kernel offers is fixed then
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        await asyncio.get_running_loop().sock_connect(sock, port if unix else ("127.0.0.1", port))
         await peer.send(wire.PREFACE + frame(wire.SETTINGS, 0, 0, settings))
         return peer
 

@@ -8,14 +8,18 @@ check end to end) runs on a real ``http2.Server`` on loopback, on the test's own
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import stat
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import uvloop
 from h2direct import Direct, Socket
 from h2peer import HEALTH, grpc_message
 
-from derender.extproc import http2
+from derender.extproc import http2, listen
 from derender.extproc.health import Http2Health
 from derender.extproc.http2 import events, wire
 from derender.extproc.http2.wire import (
@@ -283,9 +287,10 @@ class Raw:
         return self.data
 
 
-def on_a_socket(limits: http2.Limits, test) -> None:
+def on_a_socket(limits: http2.Limits, test, unix: str | None = None) -> None:
     """``test(server, port)`` against an ``http2.Server`` on loopback, both on this thread's uvloop;
-    nothing the loop reports as an error."""
+    nothing the loop reports as an error. With ``unix`` (a path), the server listens on a Unix socket
+    there too (``serve --uds``) and ``test`` is given that path for ``port``."""
 
     async def main() -> None:
         errors: list = []
@@ -294,12 +299,15 @@ def on_a_socket(limits: http2.Limits, test) -> None:
         methods = {"/t/echo": (Raw, handlers.echo), "/t/big-replies": (Raw, handlers.big_replies)}
         methods.update(Http2Health(("",)).methods())
         server = http2.Server(methods, limits)
-        await server.start("127.0.0.1", 0)
+        sock = listen.bind_unix(unix) if unix else None
+        await server.start("127.0.0.1", 0, unix=sock)
         port = server._server.sockets[0].getsockname()[1]
         try:
-            await test(server, port)
+            await test(server, unix or port)
         finally:
             await server.stop()
+            if sock is not None:
+                listen.unbind_unix(sock)
         assert not errors, errors
 
     uvloop.run(main())
@@ -315,7 +323,8 @@ async def until(condition, seconds: float) -> bool:
     return True
 
 
-def test_a_peer_that_stops_reading_is_not_read_either_and_is_closed():
+@pytest.mark.parametrize("on", ["tcp", "unix"])
+def test_a_peer_that_stops_reading_is_not_read_either_and_is_closed(on, tmp_path):
     async def test(server, port) -> None:
         peer = await Socket.connect(port, rcvbuf=4096)
         sid = peer.stream_id()
@@ -335,10 +344,14 @@ def test_a_peer_that_stops_reading_is_not_read_either_and_is_closed():
         assert server.defences["read_paused"] >= 1
         assert server.defences["keepalive_timeout"] + server.defences["control_flood"] >= 1
 
-    on_a_socket(replace(SMALL, keepalive_time=0.6, keepalive_timeout=0.6), test)
+    on_a_socket(replace(SMALL, keepalive_time=0.6, keepalive_timeout=0.6), test,
+                str(tmp_path / "h2.sock") if on == "unix" else None)
 
 
-def test_connections_past_the_limit_are_closed_at_once_and_a_health_check_is_served():
+@pytest.mark.parametrize("on", ["tcp", "unix"])
+def test_connections_past_the_limit_are_closed_at_once_and_a_health_check_is_served(on, tmp_path):
+    """On the TCP port and on the Unix socket (``--uds``) alike."""
+
     async def test(server, port) -> None:
         peers = [await Socket.connect(port) for _ in range(3)]
         extra = await Socket.connect(port)
@@ -359,7 +372,7 @@ def test_connections_past_the_limit_are_closed_at_once_and_a_health_check_is_ser
         for p in (*peers, extra):
             p.close()
 
-    on_a_socket(SMALL, test)
+    on_a_socket(SMALL, test, str(tmp_path / "h2.sock") if on == "unix" else None)
 
 
 # -- what the server sends ------------------------------------------------------------------------
@@ -431,3 +444,30 @@ def test_a_streams_metadata_is_handed_up_as_its_fields_are():
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         "x-custom": "\xe9t\xe9",
     }
+
+
+# -- the Unix socket (serve --uds) -----------------------------------------------------------------
+def test_a_unix_socket_is_this_users_alone_and_replaces_only_a_stale_one(tmp_path):
+    path = str(tmp_path / "ext_proc.sock")
+    sock = listen.bind_unix(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(OSError, match="another process listens there"):
+        listen.bind_unix(path)  # a filter still serving there keeps it
+    listen.unbind_unix(sock)
+    assert not os.path.exists(path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # a filter that was killed: its file, nobody listening
+    stale.close()
+    listen.unbind_unix(listen.bind_unix(path))
+    Path(path).write_text("not a socket")
+    with pytest.raises(OSError, match="other than a socket"):
+        listen.bind_unix(path)
+    assert Path(path).read_text() == "not a socket"
+    with pytest.raises(OSError, match="longer than"):
+        listen.bind_unix(str(tmp_path / ("x" * 120)))
+    first = listen.bind_unix(str(tmp_path / "a.sock"))
+    os.unlink(tmp_path / "a.sock")
+    newer = listen.bind_unix(str(tmp_path / "a.sock"))  # another filter took the path meanwhile
+    listen.unbind_unix(first)
+    assert os.path.exists(tmp_path / "a.sock")  # not the stopping filter's to remove
+    listen.unbind_unix(newer)

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,10 +73,12 @@ def test_up_with_an_external_producer_then_sigterm(qwen3_dir, qwen3_tokenizer):
 
 
 def test_up_starts_the_simulator_by_default(qwen3_dir):
-    """With an API key, as a user exposing the stack would start it."""
+    """With an API key, as a user exposing the stack would start it, and Envoy reaching the filter on
+    loopback TCP (``--filter-socket tcp``) instead of the default Unix socket."""
     port = free_port()
     up = subprocess.Popen(
-        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port), "--api-key", "sk-local"],
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--port", str(port), "--api-key", "sk-local",
+         "--filter-socket", "tcp"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -83,6 +86,7 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
     try:
         assert f"http://127.0.0.1:{port}/v1" in up.stdout.readline()
         assert len(_children(up.pid)) >= 3  # simulator + filter + Envoy
+        assert not [c for c in _children(up.pid) if "--uds" in c.cmdline()]
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-wrong", max_retries=0).models.list()
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-local", max_retries=0)
@@ -239,6 +243,11 @@ def test_up_with_two_filter_processes_and_kv_events_routing(qwen3_dir):
         filters = [c for c in procs if " serve " in " ".join(c.cmdline())]
         serving = {c.cmdline()[c.cmdline().index("--port") + 1] for c in filters}
         assert len(serving) == 2 and len(filters) == 4, [c.cmdline() for c in filters]  # 2 filters, 2 hubs
+        # Envoy reaches each filter process on a Unix socket of its own (--filter-socket unix, the
+        # default), in the stack's folder, which only this user can enter, the socket only this user's.
+        sockets = {c.cmdline()[c.cmdline().index("--uds") + 1] for c in filters}
+        assert len(sockets) == 2 and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in sockets), sockets
+        assert {stat.S_IMODE(os.stat(os.path.dirname(p)).st_mode) for p in sockets} == {0o700}
         cached = []
         for _ in range(3):  # three conversations of three turns
             cached += _conversation(port)

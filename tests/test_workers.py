@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 
 import psutil
 import pytest
 from stack import DERENDER, Proc, free_port, served_behind_envoy, tcp_open
+
+from derender.extproc import health
+from derender.extproc.health import EXT_PROC_SERVICE
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -69,18 +73,32 @@ def test_a_dead_worker_stops_the_rest(workers_stack):
     assert _wait_for(lambda: not workers[1].is_running() or workers[1].status() == psutil.STATUS_ZOMBIE)  # ...after stopping the other
 
 
-def test_sigterm_stops_supervisor_and_workers(qwen3_dir):
-    port = free_port()
+def _on_unix_socket(pid: int, path: str) -> bool:
+    try:
+        return any(c.laddr == path for c in psutil.Process(pid).net_connections("unix"))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_sigterm_stops_supervisor_and_workers(qwen3_dir, tmp_path):
+    """With ``--uds`` too (as ``derender up`` runs it): both workers accept on the one Unix socket,
+    which only this user can reach, and it is gone once the filter stops."""
+    port, uds = free_port(), str(tmp_path / "ext_proc.sock")
     flt = Proc(
         "filter-workers-term",
-        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2"],
+        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2",
+         "--uds", uds],
     ).start()
     try:
         flt.wait(lambda: tcp_open(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
         workers = psutil.Process(flt.proc.pid).children()
+        assert all(_on_unix_socket(w.pid, uds) for w in workers)
+        assert stat.S_IMODE(os.stat(uds).st_mode) == 0o600
+        assert all(health.check(f"unix:{uds}", EXT_PROC_SERVICE) for _ in range(6))  # a connection each
         os.kill(flt.proc.pid, signal.SIGTERM)  # the supervisor alone, not the process group
         assert flt.proc.wait(timeout=30) == 0
         assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))
         assert not tcp_open(port)
+        assert not os.path.exists(uds)
     finally:
         flt.stop()

@@ -140,11 +140,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"derender: kv-events hub (pid {pid}) reads the producers' events for the workers", file=sys.stderr)
         routing = replace(routing, kv_hub=path)
+    if args.uds:  # bound here, before the workers fork: every worker accepts on it
+        try:
+            args.unix = listen.bind_unix(args.uds)
+        except OSError as exc:
+            raise SystemExit(f"derender: {exc}") from None
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(
         model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process
     )
     code = workers.run(serve, args.port, start, most, args.scale_busy)
+    if args.uds:
+        listen.unbind_unix(args.unix)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
     import atexit

@@ -273,6 +273,14 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     up.add_argument("--producer", default=None, help="producer base URL; without it the simulator runs")
     up.add_argument("--filter-port", type=int, default=0, help="ext_proc port (default: a free one)")
     up.add_argument(
+        "--filter-socket",
+        choices=("unix", "tcp"),
+        default="unix",
+        help="how Envoy reaches the filter: a Unix socket in the stack's private folder (the default: only "
+        "this user can connect, and a few percent less CPU per token, docs/performance.md) or loopback TCP "
+        "on --filter-port",
+    )
+    up.add_argument(
         "--config", default=None, metavar="FILE", help="YAML file listing several models and their producer clusters"
     )
     up.add_argument(

@@ -229,9 +229,14 @@ def run(args: argparse.Namespace) -> int:
         if traces:
             keys += ["--otlp-traces-endpoint", traces]
         filter_ports = [filter_port] + [free_port() for _ in range(max(1, getattr(args, "filters", 1)) - 1)]
+        sockets: list[str] = []  # --filter-socket unix: each filter process's, in the stack's folder (0700)
+        if getattr(args, "filter_socket", "tcp") == "unix":
+            folder = folder or tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
+            sockets = [f"{folder}/ext_proc-{i + 1}.sock" for i in range(len(filter_ports))]
         filters = []
         for i, port in enumerate(filter_ports):  # --filters: filter processes as replicas, each its own
             more = ["--metrics-port", str(metrics_port + i)] if metrics_port else []  # --filters: the next ports
+            more += ["--uds", sockets[i]] if sockets else []
             flt = stack.start(
                 "filter" if i == 0 else f"filter{i + 1}",
                 [
@@ -270,13 +275,15 @@ def run(args: argparse.Namespace) -> int:
             MAX_CONNECTIONS=args.max_connections,
             BODY_LIMIT_BYTES=max(16 << 20, getattr(args, "max_producer_body_bytes", 0)),
         )
-        if traces or len(filter_ports) > 1:
+        if traces or len(filter_ports) > 1 or sockets:
             import yaml
 
             parsed = yaml.safe_load(config)
             if traces:  # Envoy's tracer too: its spans are the parents of the filter's
                 parsed = envoy_config.add_tracing(parsed, traces)
-            if len(filter_ports) > 1:
+            if sockets:
+                parsed = envoy_config.unix_filter_endpoints(parsed, sockets)
+            elif len(filter_ports) > 1:
                 parsed = envoy_config.add_filter_endpoints(parsed, filter_ports)
             config = yaml.safe_dump(parsed, sort_keys=False)
         folder = folder or tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops

@@ -164,6 +164,17 @@ def add_filter_endpoints(config: dict, ports: list[int], host: str = "127.0.0.1"
     return config
 
 
+def unix_filter_endpoints(config: dict, paths: list[str]) -> dict:
+    """``config`` (a parsed Envoy config) with its ext_proc cluster (``derender``) reaching the filter
+    processes on the Unix sockets at ``paths`` (``derender serve --uds``) instead of TCP."""
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] == "derender":
+            cluster["load_assignment"]["endpoints"] = [
+                {"lb_endpoints": [{"endpoint": {"address": {"pipe": {"path": path}}}}]} for path in paths
+            ]
+    return config
+
+
 def add_tracing(config: dict, endpoint: str, service: str = "envoy", sampling: float = 100.0) -> dict:
     """``config`` (a parsed Envoy config) with Envoy's OpenTelemetry tracer on every HTTP connection
     manager, exporting over OTLP/gRPC to ``endpoint`` through a cluster of its own (``otlp``);

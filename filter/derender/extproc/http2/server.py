@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl as ssl_
 import time
 from collections import Counter
@@ -38,6 +39,7 @@ class Server:
         self.budget = Budget(self.limits.max_buffered_total)  # message bytes held by all its connections
         self.draining = False
         self._server: asyncio.base_events.Server | None = None
+        self._unix: asyncio.base_events.Server | None = None
         self._stopped = asyncio.Event()
         self._sweep: asyncio.Task | None = None
         self._logged: dict[str, tuple[float, int]] = {}
@@ -59,8 +61,15 @@ class Server:
             self._logged[name] = (last, since + 1)
 
     async def start(
-        self, host: str | list[str], port: int, reuse_port: bool = False, ssl: ssl_.SSLContext | None = None
+        self,
+        host: str | list[str],
+        port: int,
+        reuse_port: bool = False,
+        ssl: ssl_.SSLContext | None = None,
+        unix: socket.socket | None = None,
     ) -> None:
+        """Listen on ``host:port`` and, with ``unix`` (a listening Unix socket, maybe shared with sibling
+        workers), there too: the same connections, bounds and TLS."""
         loop = asyncio.get_running_loop()
         extra: dict[str, Any] = (
             {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
@@ -74,6 +83,8 @@ class Server:
             backlog=1024,
             **extra,
         )
+        if unix is not None:
+            self._unix = await loop.create_unix_server(lambda: Connection(self), sock=unix, backlog=1024, **extra)
         self._sweep = loop.create_task(self._sweep_timers())
 
     async def _sweep_timers(self) -> None:
@@ -129,8 +140,9 @@ class Server:
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new connections and streams (GOAWAY), give the open streams ``grace`` seconds, then cut them."""
         self.draining = True
-        if self._server is not None:
-            self._server.close()
+        for listening in (self._server, self._unix):
+            if listening is not None:
+                listening.close()
         for connection in list(self.connections):
             connection.drain()
         if grace:
