@@ -313,7 +313,9 @@ def paced_markdown(r: dict) -> str:
         f"for the filter, Envoy `--concurrency {env.get('envoy_concurrency', 2)}`; command: `.venv/bin/python bench/run.py "
         f"--only paced{' --lockstep' if lockstep else ''}{paced_knobs(env)} --out bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
         "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc "
-        "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Pacing: "
+        "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Envoy reaches the filter and "
+        "the echo ext_proc on Unix sockets, as `derender up` does (`--filter-socket unix`), and the grpc.aio "
+        "ones on loopback TCP. Pacing: "
         + ("**lockstep**: one engine step every 20 ms for every stream at once, as one GPU decodes its whole batch "
            "(the simulator's and the coupled engine's `StepClock`)." if lockstep else
            "each stream's events 20 ms apart on a timer of its own (streams out of step with each other)."),

@@ -149,8 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("DERENDER_UDS") or None,
         metavar="PATH",
         help="also serve ext_proc on a Unix socket at PATH (mode 0600: only this user can connect, where "
-        "loopback TCP admits any local process), for an Envoy on the same host; a few percent less CPU per "
-        "token than loopback TCP (default $DERENDER_UDS; derender up uses one)",
+        "loopback TCP admits any local process), for an Envoy on the same host (default $DERENDER_UDS; "
+        "derender up uses one)",
     )
     parser.add_argument(
         "--max-concurrent-streams",
