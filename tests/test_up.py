@@ -248,6 +248,8 @@ def test_up_with_two_filter_processes_and_kv_events_routing(qwen3_dir):
         sockets = {c.cmdline()[c.cmdline().index("--uds") + 1] for c in filters}
         assert len(sockets) == 2 and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in sockets), sockets
         assert {stat.S_IMODE(os.stat(os.path.dirname(p)).st_mode) for p in sockets} == {0o700}
+        assert not [c for f in filters for c in f.net_connections("tcp")  # no TCP port but the metrics'
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port not in (metrics, metrics + 1)]
         cached = []
         for _ in range(3):  # three conversations of three turns
             cached += _conversation(port)

@@ -80,25 +80,56 @@ def _on_unix_socket(pid: int, path: str) -> bool:
         return False
 
 
-def test_sigterm_stops_supervisor_and_workers(qwen3_dir, tmp_path):
-    """With ``--uds`` too (as ``derender up`` runs it): both workers accept on the one Unix socket,
-    which only this user can reach, and it is gone once the filter stops."""
-    port, uds = free_port(), str(tmp_path / "ext_proc.sock")
+def test_sigterm_stops_supervisor_and_workers(qwen3_dir):
+    port = free_port()
     flt = Proc(
         "filter-workers-term",
-        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2",
-         "--uds", uds],
+        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2"],
     ).start()
     try:
         flt.wait(lambda: tcp_open(port) and len(psutil.Process(flt.proc.pid).children()) == 2, 300)
         workers = psutil.Process(flt.proc.pid).children()
-        assert all(_on_unix_socket(w.pid, uds) for w in workers)
-        assert stat.S_IMODE(os.stat(uds).st_mode) == 0o600
-        assert all(health.check(f"unix:{uds}", EXT_PROC_SERVICE) for _ in range(6))  # a connection each
         os.kill(flt.proc.pid, signal.SIGTERM)  # the supervisor alone, not the process group
         assert flt.proc.wait(timeout=30) == 0
         assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))
         assert not tcp_open(port)
+    finally:
+        flt.stop()
+
+
+def test_workers_on_a_unix_socket_alone(qwen3_dir, tmp_path):
+    """``--uds PATH --no-tcp``, as ``derender up`` runs its filters: both workers accept on the one
+    Unix socket, which only this user can reach, no TCP port is open, and the socket is gone once
+    the filter stops."""
+    port, uds = free_port(), str(tmp_path / "ext_proc.sock")
+    flt = Proc(
+        "filter-workers-unix",
+        [*DERENDER, "serve", "--model", qwen3_dir, "--port", str(port), "--producer", "http://127.0.0.1:9", "--workers", "2",
+         "--uds", uds, "--no-tcp"],
+    ).start()
+    try:
+        flt.wait(lambda: len(psutil.Process(flt.proc.pid).children()) == 2
+                 and all(_on_unix_socket(w.pid, uds) for w in psutil.Process(flt.proc.pid).children()), 300)
+        workers = psutil.Process(flt.proc.pid).children()
+        assert _wait_for(lambda: health.check(f"unix:{uds}", EXT_PROC_SERVICE))  # the workers' servers started
+        assert stat.S_IMODE(os.stat(uds).st_mode) == 0o600
+        assert all(health.check(f"unix:{uds}", EXT_PROC_SERVICE) for _ in range(6))  # a connection each
+        assert not tcp_open(port)
+        assert not [c for w in workers for c in w.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        os.kill(flt.proc.pid, signal.SIGTERM)
+        assert flt.proc.wait(timeout=30) == 0
+        assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))
         assert not os.path.exists(uds)
     finally:
         flt.stop()
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--no-tcp"], "--no-tcp needs --uds"),
+    (["--uds", "x.sock", "--transport", "grpcio"], "--uds needs the filter's own transport"),
+])
+def test_listener_flags_that_cannot_work_are_refused_before_anything_loads(flags, said):
+    import subprocess
+
+    done = subprocess.run([*DERENDER, "serve", "--model", "unused", *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]

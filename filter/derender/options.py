@@ -276,8 +276,8 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         "--filter-socket",
         choices=("unix", "tcp"),
         default="unix",
-        help="how Envoy reaches the filter: a Unix socket in the stack's private folder (the default: only "
-        "this user can connect) or loopback TCP on --filter-port (any local process can)",
+        help="how Envoy reaches the filter: a Unix socket in the stack's private folder, the filter on no TCP "
+        "port (the default: only this user can connect) or loopback TCP on --filter-port (any local process can)",
     )
     up.add_argument(
         "--config", default=None, metavar="FILE", help="YAML file listing several models and their producer clusters"

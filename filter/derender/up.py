@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         filters = []
         for i, port in enumerate(filter_ports):  # --filters: filter processes as replicas, each its own
             more = ["--metrics-port", str(metrics_port + i)] if metrics_port else []  # --filters: the next ports
-            more += ["--uds", sockets[i]] if sockets else []
+            more += ["--uds", sockets[i], "--no-tcp"] if sockets else []  # only this user reaches it
             flt = stack.start(
                 "filter" if i == 0 else f"filter{i + 1}",
                 [
@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> int:
                 ],
             )
             filters.append(flt)
-        for flt, port in zip(filters, filter_ports, strict=True):  # each model loads
-            address = f"127.0.0.1:{port}"
+        for i, (flt, port) in enumerate(zip(filters, filter_ports, strict=True)):  # each model loads
+            address = f"unix:{sockets[i]}" if sockets else f"127.0.0.1:{port}"
             flt.wait(functools.partial(health.check, address, timeout=1), 180 * len(entries or [None]))
 
         clusters = ""

@@ -29,8 +29,9 @@ class Listener:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     # ``--uds``: a Unix socket listening beside the TCP port (``bind_unix``), bound before the workers
-    # fork so that every worker accepts on it.
+    # fork so that every worker accepts on it; ``tcp`` False (``--no-tcp``): no TCP port.
     unix: socket.socket | None = None
+    tcp: bool = True
 
     def grpc_options(self) -> list[tuple[str, int]]:
         limits = self.limits
@@ -153,6 +154,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "derender up uses one)",
     )
     parser.add_argument(
+        "--no-tcp",
+        action="store_true",
+        help="with --uds: the Unix socket alone, no TCP port (derender up's filters: only its user reaches them)",
+    )
+    parser.add_argument(
         "--max-concurrent-streams",
         type=int,
         default=100,
@@ -215,7 +221,8 @@ def listener(args: argparse.Namespace):
         idle_timeout=args.ext_proc_idle_timeout,
         max_connections=args.max_ext_proc_connections,
     )
-    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca, getattr(args, "unix", None))
+    unix = getattr(args, "unix", None)
+    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca, unix, not (unix and args.no_tcp))
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -230,5 +237,7 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{flag.replace('_', '-')}: no such file: {path}")
     if args.uds and getattr(args, "transport", "http2") != "http2":
         parser.error("--uds needs the filter's own transport (--transport http2)")
+    if args.no_tcp and not args.uds:
+        parser.error("--no-tcp needs --uds: the filter would listen nowhere")
     if args.max_concurrent_streams < 1 or args.max_ext_proc_connections < 1:
         parser.error("--max-concurrent-streams and --max-ext-proc-connections must be at least 1")

@@ -275,9 +275,10 @@ async def serve(
         tls = None
         if listener.tls_cert:
             tls = http2.tls_context(listener.tls_cert, listener.tls_key, listener.tls_client_ca)
-        await server.start(hosts, port, reuse_port=reuse_port, ssl=tls, unix=listener.unix)
+        await server.start(hosts, port if listener.tcp else None, reuse_port=reuse_port, ssl=tls, unix=listener.unix)
         if listener.unix is not None:
-            address += f" and {listener.unix.getsockname()}"
+            where = listener.unix.getsockname()
+            address = f"{address} and {where}" if listener.tcp else where
     else:
         server = grpc.aio.server(options=[*listener.grpc_options(), ("grpc.so_reuseport", 1 if reuse_port else 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)

@@ -63,26 +63,27 @@ class Server:
     async def start(
         self,
         host: str | list[str],
-        port: int,
+        port: int | None,
         reuse_port: bool = False,
         ssl: ssl_.SSLContext | None = None,
         unix: socket.socket | None = None,
     ) -> None:
-        """Listen on ``host:port`` and, with ``unix`` (a listening Unix socket, maybe shared with sibling
-        workers), there too: the same connections, bounds and TLS."""
+        """Listen on ``host:port`` (not with ``port`` None) and, with ``unix`` (a listening Unix socket,
+        maybe shared with sibling workers), there too: the same connections, bounds and TLS."""
         loop = asyncio.get_running_loop()
         extra: dict[str, Any] = (
             {"ssl": ssl, "ssl_handshake_timeout": self.limits.preface_timeout} if ssl is not None else {}
         )
         hosts = [h.strip("[]") for h in ([host] if isinstance(host, str) else host)]
-        self._server = await loop.create_server(
-            lambda: Connection(self),
-            [h for h in hosts if h] or None,
-            port,
-            reuse_port=reuse_port,
-            backlog=1024,
-            **extra,
-        )
+        if port is not None:
+            self._server = await loop.create_server(
+                lambda: Connection(self),
+                [h for h in hosts if h] or None,
+                port,
+                reuse_port=reuse_port,
+                backlog=1024,
+                **extra,
+            )
         if unix is not None:
             self._unix = await loop.create_unix_server(lambda: Connection(self), sock=unix, backlog=1024, **extra)
         self._sweep = loop.create_task(self._sweep_timers())
