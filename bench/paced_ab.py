@@ -126,7 +126,7 @@ class QuotaStore:
 
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
               envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = (),
-              socket: str = "unix") -> dict:
+              reach: str = "unix") -> dict:
     env = dict(os.environ)
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
@@ -139,7 +139,7 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
         server, envoy = procs.start_stack(started, "ab", model_dir, script, serve, args.delay, env=env,
                                           lockstep=args.lockstep,
                                           envoy_concurrency=envoy_threads or args.envoy_concurrency,
-                                          unix=socket == "unix")
+                                          unix=reach == "unix")
         chat = streams.chat_request("qwen3", True)
         body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
         url = envoy.url + streams.API_PATHS[args.api]

@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             keys += ["--otlp-traces-endpoint", traces]
         filter_ports = [filter_port] + [free_port() for _ in range(max(1, getattr(args, "filters", 1)) - 1)]
         sockets: list[str] = []  # --filter-socket unix: each filter process's, in the stack's folder (0700)
-        if getattr(args, "filter_socket", "tcp") == "unix":
+        if args.filter_socket == "unix":
             folder = folder or tempfile.mkdtemp(prefix="derender-up-")  # removed when the stack stops
             sockets = [f"{folder}/ext_proc-{i + 1}.sock" for i in range(len(filter_ports))]
         filters = []

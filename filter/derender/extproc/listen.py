@@ -221,8 +221,10 @@ def listener(args: argparse.Namespace):
         idle_timeout=args.ext_proc_idle_timeout,
         max_connections=args.max_ext_proc_connections,
     )
-    unix = getattr(args, "unix", None)
-    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca, unix, not (unix and args.no_tcp))
+    # --no-tcp comes only with --uds (check_arguments); args.unix is the socket cmd_serve bound for it
+    return Listener(
+        limits, args.tls_cert, args.tls_key, args.tls_client_ca, getattr(args, "unix", None), not args.no_tcp
+    )
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
