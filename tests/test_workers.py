@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 import signal
 import stat
@@ -133,3 +135,47 @@ def test_listener_flags_that_cannot_work_are_refused_before_anything_loads(flags
 
     done = subprocess.run([*DERENDER, "serve", "--model", "unused", *flags], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
+
+
+@pytest.fixture
+def collector_off():
+    """The collector off, as ``derender serve`` loads the model; everything put back after."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_the_worker_serves_with_the_collector_on_and_the_model_frozen(collector_off):
+    from derender.extproc import workers
+
+    seen = []
+
+    async def serve(reuse_port: bool) -> None:
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+
+    try:
+        workers.run(serve, 0, 1)
+    finally:
+        asyncio.set_event_loop(None)  # run_one leaves its closed loop as this thread's
+    [(enabled, frozen)] = seen
+    assert enabled and frozen > 0
+
+
+def test_a_helper_forked_before_the_workers_collects_its_garbage(collector_off):
+    from derender.extproc import workers
+
+    read, write = os.pipe()
+
+    async def main() -> None:
+        os.write(write, b"on" if gc.isenabled() else b"off")
+
+    pid = workers.fork_helper("gc probe", main)
+    os.close(write)
+    try:
+        assert os.read(read, 8) == b"on"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)

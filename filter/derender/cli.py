@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from dataclasses import replace
@@ -84,6 +85,10 @@ def _worker_counts(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Loading the model (vLLM's modules, the tokenizer, the parsers) makes millions of objects that
+    # live as long as the process, and the collector would walk them over and over: about a fifth
+    # of the start's CPU. It stays off until ``workers.run`` freezes them and turns it back on.
+    gc.disable()
     hub = _kv_events(args)
     start, most = _worker_counts(args)
     if args.metrics_port and (most > 1 or hub) and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -140,18 +145,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
         print(f"derender: kv-events hub (pid {pid}) reads the producers' events for the workers", file=sys.stderr)
         routing = replace(routing, kv_hub=path)
+    unix = None
     if args.uds:  # bound here, before the workers fork: every worker accepts on it
         try:
-            args.unix = listen.bind_unix(args.uds)
+            unix = listen.bind_unix(args.uds)
         except OSError as exc:
             raise SystemExit(f"derender: {exc}") from None
     # The workers listen on the addresses resolved here (a network in --host named them once).
     serve = workers.filter_server(
-        model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args), process
+        model, args.producer, ",".join(hosts), args.port, routing, listen.listener(args, unix), process
     )
     code = workers.run(serve, args.port, start, most, args.scale_busy)
-    if args.uds:
-        listen.unbind_unix(args.unix)
+    if unix is not None:
+        listen.unbind_unix(unix)
     # Everything is stopped: leave without the interpreter's teardown, where Triton's extension
     # (imported by vLLM, never used here) prints a nanobind "leaked" dump on every exit.
     import atexit

@@ -205,8 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def listener(args: argparse.Namespace):
-    """The ext_proc port's bounds and TLS, from ``serve``'s flags."""
+def listener(args: argparse.Namespace, unix: socket.socket | None = None):
+    """The ext_proc port's bounds and TLS, from ``serve``'s flags; ``unix``: the socket ``bind_unix``
+    bound for ``--uds``."""
     from .http2 import Limits
 
     defaults = Limits()
@@ -221,10 +222,8 @@ def listener(args: argparse.Namespace):
         idle_timeout=args.ext_proc_idle_timeout,
         max_connections=args.max_ext_proc_connections,
     )
-    # --no-tcp comes only with --uds (check_arguments); args.unix is the socket cmd_serve bound for it
-    return Listener(
-        limits, args.tls_cert, args.tls_key, args.tls_client_ca, getattr(args, "unix", None), not args.no_tcp
-    )
+    # --no-tcp comes only with --uds (check_arguments)
+    return Listener(limits, args.tls_cert, args.tls_key, args.tls_client_ca, unix, not args.no_tcp)
 
 
 def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
