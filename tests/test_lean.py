@@ -533,14 +533,15 @@ def with_logprobs(payload: bytes) -> bytes:
     return pydantic_core.to_json(event)
 
 
-def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tuple[bytes, int, int, int]:
+def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tuple[bytes, int, int, int, int]:
     """What the client gets from a Responses stream fed these events as the exchange feeds them
     (each event's bytes, then the events vLLM's generator wrote for it); the outputs the lean path
-    took, the delta events it wrote from a template, and the outputs handed to it directly, with no
-    ``RequestOutput`` made for them (``Session.direct``)."""
+    took, the delta events it wrote from a template, the outputs handed to it directly, with no
+    ``RequestOutput`` made for them (``Session.direct``), and the template's events written with
+    the body's item lines decided in place (``LoopBody._within``)."""
     from derender.endpoints.responses import ResponsesStream, render_responses
 
-    async def go() -> tuple[bytes, int, int, int]:
+    async def go() -> tuple[bytes, int, int, int, int]:
         rendered = await render_responses(model, json.dumps(body).encode(), "lean-diff")
         stream = ResponsesStream(model, rendered)
         stream.start()
@@ -551,7 +552,7 @@ def run_responses(model, body: dict, payloads: list[bytes], lean_on: bool) -> tu
             out += [stream.end(), await stream.flush()]
         loop = rendered.session._loop
         session = rendered.session
-        return b"".join(out), session.lean_events, loop.templated if loop else 0, session.direct_events
+        return b"".join(out), session.lean_events, loop.templated if loop else 0, session.direct_events, loop.within if loop else 0
 
     if lean_on:
         return asyncio.run(go())
@@ -581,20 +582,20 @@ def test_lean_responses_path_sends_vllms_bytes(name):
         body = responses_body(chat, logprobs)
         if logprobs:  # the producer's logprob rows: the sampled token and two candidates
             payloads = [with_logprobs(p) for p in payloads]
-        vllm_bytes, untaken, _, undirect = run_responses(model, body, payloads, lean_on=False)
-        lean_bytes, taken, templated, direct = run_responses(model, body, payloads, lean_on=True)
+        vllm_bytes, untaken, _, undirect, _ = run_responses(model, body, payloads, lean_on=False)
+        lean_bytes, taken, templated, direct, within = run_responses(model, body, payloads, lean_on=True)
         clean = lambda data: CREATED_AT.sub(b'"created_at":0', RESPONSE_IDS.sub(rb'"\1":"\2-id"', data))
         assert untaken == undirect == 0 and re.search(rb"event: (response\.completed|response\.incomplete|error)\n", vllm_bytes), body
         assert clean(lean_bytes) == clean(vllm_bytes), body
         # Without logprobs every middle output but the first (the generator's own, before its first
         # wait) goes into the loop body directly, with no RequestOutput made for it.
         assert logprobs or direct == max(0, taken - 1), (direct, taken)
-        done.append((taken, max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 1), templated))
+        done.append((taken, max(0, sum(1 for p in payloads if b'"choices":[{' in p) - 1), templated, within))
 
     check()
-    taken, middle, templated = (sum(d[i] for d in done) for i in range(3))
+    taken, middle, templated, within = (sum(d[i] for d in done) for i in range(4))
     assert middle > 0 and taken >= middle // 2, (taken, middle)
-    assert templated > 0, (templated, taken)
+    assert templated > 0 and within > 0, (templated, within, taken)
     # A plain answer (reasoning, text, a call; one token per event): most middle outputs are a delta
     # inside an open item, written from the template (the rest: markup tokens, item changes).
     _, answers = served(name)
@@ -604,6 +605,6 @@ def test_lean_responses_path_sends_vllms_bytes(name):
         chat["tools"] = TOOLS
     ids = answers.answer("Let me think about the weather in Paris, a city in France.",
                          "I will look it up for you right now, one moment.", calls, end=True, think=True)
-    _, taken, templated, direct = run_responses(model, responses_body(chat, False), events(ids, [1], False, "stop"), lean_on=True)
-    assert templated >= taken // 2, (templated, taken)
+    _, taken, templated, direct, within = run_responses(model, responses_body(chat, False), events(ids, [1], False, "stop"), lean_on=True)
+    assert within >= taken // 2 and within <= templated, (within, templated, taken)
     assert direct == taken - 1, (direct, taken)  # all but the first (the generator's, before its first wait)

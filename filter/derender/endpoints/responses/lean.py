@@ -39,6 +39,7 @@ class LoopBody:
         "states",
         "template",
         "templated",
+        "within",
     )
 
     def __init__(self, context: Any, request: Any, processor: Any, logprobs: Any, number: Any) -> None:
@@ -52,6 +53,7 @@ class LoopBody:
         self.numbered = _Numbered()  # what a template's event number is taken on
         self.template: tuple[Any, ...] | None = None  # (key, the delta event's bytes around the delta and the number)
         self.templated = 0  # delta events written from the template (tests read it)
+        self.within = 0  # of them, by ``_within`` (tests read it)
 
     def step(self, res: Any, sink: Any) -> None:
         """The events vLLM's loop yields for ``res`` (whose choice is not finished), numbered, into
@@ -61,25 +63,76 @@ class LoopBody:
         ctx.append_output(res)
         if ctx.last_output is None or not ctx.last_output.outputs:
             return
-        for event in self.body(ctx, ctx.last_output.outputs[0], True):
+        output = ctx.last_output.outputs[0]
+        delta_message = self._parse(ctx, output)
+        if not delta_message or self._within(delta_message, output, sink):
+            return
+        for event in self._events(delta_message, output, True):
             sink(event)
 
     def body(self, ctx: Any, output: Any, templates: bool) -> Any:
         """The loop's body for ``output`` of ``ctx``: its events, numbered, each built when the one
         before it is taken; with ``templates``, a delta inside an open item as a ``Frame``."""
-        names, request, processor, number = self.names, self.request, self.processor, self.number
+        delta_message = self._parse(ctx, output)
+        if not delta_message:
+            return
+        yield from self._events(delta_message, output, templates)
+
+    def _parse(self, ctx: Any, output: Any) -> Any:
+        """The body's first lines: ``output``'s ``DeltaMessage`` (None: nothing to send)."""
         if ctx.response_parser:
-            delta_message = ctx.response_parser.parse_delta(
+            return ctx.response_parser.parse_delta(
                 delta_text=output.text,
-                delta_token_ids=names.as_list(output.token_ids),
-                request=request,
+                delta_token_ids=self.names.as_list(output.token_ids),
+                request=self.request,
                 prompt_token_ids=ctx.last_output.prompt_token_ids,
                 finished=output.finish_reason is not None,
             )
+        return self.names.DeltaMessage(content=output.text)
+
+    def _within(self, dm: Any, output: Any, sink: Any) -> bool:
+        """The body's lines after the parse for a delta of one kind inside the item of that kind
+        already open -- most of a stream's outputs -- with what the lines would find decided in
+        place: the parallel-call filter keeps it (no call, or the first call when parallel calls are
+        off), ``split_delta`` leaves it whole (one field, one call), ``resolve_target_state`` names
+        the open item's kind and ``needs_transition`` says no (the same call). Its event goes into
+        ``sink`` from the template (``_delta``); True if so, or if those lines would send nothing
+        (no reasoning, no text, no call). False, nothing done: the body's lines decide
+        (``_events``)."""
+        state, states = self.processor.state, self.states
+        kind = state.current_state
+        calls, reasoning, content = dm.tool_calls, dm.reasoning, dm.content
+        if calls:
+            if reasoning is not None or content is not None or len(calls) != 1 or kind != states.TOOL_CALL:
+                return False
+            call = calls[0]
+            function = call.function
+            if function is None or state.tool_call_is_custom:
+                return False
+            if self.request.parallel_tool_calls is False and call.index != 0:
+                return False
+            if call.index is not None and state.tool_call_index is not None and call.index != state.tool_call_index:
+                return False
+            delta, make = function.arguments, self.events.emit_simple_tool_call_delta
+        elif reasoning is not None:
+            if content is not None or kind != states.REASONING:
+                return False
+            delta, make = reasoning, self.events.emit_simple_reasoning_delta
+        elif content:
+            if kind != states.CONTENT or self.logprobs(output):
+                return False
+            delta, make = content, self.events.emit_simple_content_delta
         else:
-            delta_message = names.DeltaMessage(content=output.text)
-        if not delta_message:
-            return
+            return True  # resolve_target_state: NONE, nothing sent
+        if not delta:
+            return False
+        self.within += 1
+        sink(self._frame(kind, state, delta, make))
+        return True
+
+    def _events(self, delta_message: Any, output: Any, templates: bool) -> Any:
+        """The body's lines after the parse: the events of ``delta_message``, numbered."""
+        names, request, processor, number = self.names, self.request, self.processor, self.number
         delta_message = names.maybe_filter_parallel_tool_calls(delta_message, request)
         for dm in names.split_delta(delta_message):
             target_state, tool_call = processor.resolve_target_state(dm)
@@ -120,10 +173,16 @@ class LoopBody:
             return None
         if not delta:
             return None
+        return self._frame(kind, state, delta, make)
+
+    def _frame(self, kind: Any, state: Any, delta: str, make: Any) -> Frame:
+        """The delta event ``make`` builds for ``delta`` in ``state``'s open item of ``kind``, from
+        the template of that item's events, numbered, the state's text grown."""
         key = (kind, state.current_item_id, state.output_index, state.content_index)
-        if self.template is None or self.template[0] != key:
-            self.template = (key, *_template(make, state))
-        _, head, middle, tail, delta_first = self.template
+        template = self.template
+        if template is None or template[0] != key:
+            template = self.template = (key, *_template(make, state))
+        _, head, middle, tail, delta_first = template
         number = self.number(self.numbered).sequence_number
         state.accumulated_text += delta
         text, count = pydantic_core.to_json(delta), str(number).encode()
