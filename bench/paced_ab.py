@@ -126,8 +126,9 @@ class QuotaStore:
 
 def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Namespace,
               envoy_threads: int | None = None, frame_layer: str | None = None, flags: tuple[str, ...] = (),
-              reach: str = "unix") -> dict:
+              reach: str = "unix", extra_env: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ)
+    env.update(pair.split("=", 1) for pair in extra_env)  # type: ignore[arg-type]
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(tree) / "filter"), env.get("PYTHONPATH")]))
     if frame_layer == "h2":  # the ext_proc connections on python-hyper's h2 (bench/h2lib)
@@ -199,6 +200,9 @@ def main() -> int:
                         "default) or loopback TCP (a tree from before --uds)")
     parser.add_argument("--before-socket", choices=["unix", "tcp"], default=None,
                         help="the before tree's only (with --before . : the sockets A/B)")
+    parser.add_argument("--after-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the after tree's filter only (repeatable): "
+                        "an allocator or interpreter setting against the same code")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -218,7 +222,8 @@ def main() -> int:
             result = one_round(tree, model_dir, script, args, args.before_envoy_concurrency if name == "before" else None,
                                args.before_frame_layer if name == "before" else None,
                                traced if name == "after" else (),
-                               (args.before_socket or args.socket) if name == "before" else args.socket)
+                               (args.before_socket or args.socket) if name == "before" else args.socket,
+                               tuple(args.after_env) if name == "after" else ())
             rounds[name].append(result)
             print(f"round {i + 1} {name}: " + ", ".join(f"{k} {v:.2f}" if k in ("msgs", "ttft_ms", "wakeups") else f"{k} {v:.0f}"
                                                         for k, v in result.items()), flush=True)
@@ -238,7 +243,8 @@ def main() -> int:
         f"{' --after-traces' if args.after_traces else ''}{' --after-quotas' if args.after_quotas else ''}"
         f"{' --after-flow' if args.after_flow else ''}"
         f"{f' --socket {args.socket}' if args.socket != 'unix' else ''}"
-        f"{f' --before-socket {args.before_socket}' if args.before_socket else ''}`: "
+        f"{f' --before-socket {args.before_socket}' if args.before_socket else ''}"
+        f"{''.join(f' --after-env {pair}' for pair in args.after_env)}`: "
         f"{args.streams} concurrent qwen3 + hermes {args.api} streams of "
         f"{args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms"
         f"{' (every stream at the same step, as one GPU batch)' if args.lockstep else ''}, one filter worker behind Envoy 1.40, {args.rounds} interleaved rounds of "
