@@ -6,6 +6,7 @@
     .venv/bin/python bench/paced_ab.py --before . --after-traces        # traces off vs on, this tree
     .venv/bin/python bench/paced_ab.py --before . --after-flow          # flow control off vs on (room to spare)
     .venv/bin/python bench/paced_ab.py --before . --after-quotas        # token budgets off vs on, this tree
+    .venv/bin/python bench/paced_ab.py --before . --after-env PYTHONMALLOC=malloc   # an environment setting
 
 One simulator paced like a decoding GPU (one token per event, ``--delay`` apart), Envoy 1.40
 (``bench/procs.py``'s config) and one filter worker (qwen3 + hermes, ``--workers 1``), started

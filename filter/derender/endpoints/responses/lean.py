@@ -96,7 +96,7 @@ class LoopBody:
         place: the parallel-call filter keeps it (no call, or the first call when parallel calls are
         off), ``split_delta`` leaves it whole (one field, one call), ``resolve_target_state`` names
         the open item's kind and ``needs_transition`` says no (the same call). Its event goes into
-        ``sink`` from the template (``_delta``); True if so, or if those lines would send nothing
+        ``sink`` from the template (``_frame``, as ``_delta`` writes it); True if so, or if those lines would send nothing
         (no reasoning, no text, no call). False, nothing done: the body's lines decide
         (``_events``)."""
         state, states = self.processor.state, self.states

@@ -121,7 +121,7 @@ class Session:
             self.frames.append(_error_event(self._failure or exc, self._sequence + 1))
 
     def _event(self, event: Any) -> None:
-        if type(event) is Frame:  # a delta written from a template (``LoopBody._delta``)
+        if type(event) is Frame:  # a delta written from a template (``LoopBody._frame``)
             self._sequence = event.sequence_number
             self.frames.append(event.frame)
             return
