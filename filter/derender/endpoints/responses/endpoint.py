@@ -226,8 +226,11 @@ class ResponsesStream(ChatStream):
     async def flush(self) -> bytes:
         """The events vLLM wrote for the outputs so far."""
         session = self.session
-        if not session.ready():  # else the outputs went through the lean loop body (``feed``)
-            await session.settle()
+        if session.task is not None and session.task.done() and session.takes_direct():
+            # vLLM's generator waits for the next output and nothing is queued for it (the outputs
+            # went through the lean loop body, ``feed``): ``settle`` would run nothing.
+            return session.take_frames()
+        await session.settle()
         return session.take_frames()
 
     def close(self) -> None:
@@ -266,13 +269,7 @@ class ResponsesExchange(ChatExchange):
         return rewrite
 
     async def response_chunk(self, chunk: bytes, end: bool) -> bytes:
-        data = await super().response_chunk(chunk, end)
-        stream = self.stream
-        if isinstance(stream, ResponsesStream) and stream.session.ready():
-            # the outputs went through the lean loop body (``ResponsesStream.feed``): their events
-            # are written, with nothing to await (most chunks of a stream)
-            return data + stream.session.take_frames()
-        return data + await self._flush()
+        return await super().response_chunk(chunk, end) + await self._flush()
 
     async def resume(self, tokens: int) -> bytes:
         return await super().resume(tokens) + await self._flush()

@@ -96,7 +96,7 @@ class LoopBody:
         place: the parallel-call filter keeps it (no call, or the first call when parallel calls are
         off), ``split_delta`` leaves it whole (one field, one call), ``resolve_target_state`` names
         the open item's kind and ``needs_transition`` says no (the same call). Its event goes into
-        ``sink`` from the template (``_frame``, as ``_delta`` writes it); True if so, or if those lines would send nothing
+        ``sink`` from the template (``_delta``); True if so, or if those lines would send nothing
         (no reasoning, no text, no call). False, nothing done: the body's lines decide
         (``_events``)."""
         state, states = self.processor.state, self.states
@@ -106,28 +106,23 @@ class LoopBody:
             if reasoning is not None or content is not None or len(calls) != 1 or kind != states.TOOL_CALL:
                 return False
             call = calls[0]
-            function = call.function
-            if function is None or state.tool_call_is_custom:
-                return False
-            if self.request.parallel_tool_calls is False and call.index != 0:
+            if call.function is None or (self.request.parallel_tool_calls is False and call.index != 0):
                 return False
             if call.index is not None and state.tool_call_index is not None and call.index != state.tool_call_index:
                 return False
-            delta, make = function.arguments, self.events.emit_simple_tool_call_delta
         elif reasoning is not None:
             if content is not None or kind != states.REASONING:
                 return False
-            delta, make = reasoning, self.events.emit_simple_reasoning_delta
         elif content:
-            if kind != states.CONTENT or self.logprobs(output):
+            if kind != states.CONTENT:
                 return False
-            delta, make = content, self.events.emit_simple_content_delta
         else:
             return True  # resolve_target_state: NONE, nothing sent
-        if not delta:
+        frame = self._delta(dm, output)
+        if frame is None:
             return False
         self.within += 1
-        sink(self._frame(kind, state, delta, make))
+        sink(frame)
         return True
 
     def _events(self, delta_message: Any, output: Any, templates: bool) -> Any:
@@ -173,16 +168,10 @@ class LoopBody:
             return None
         if not delta:
             return None
-        return self._frame(kind, state, delta, make)
-
-    def _frame(self, kind: Any, state: Any, delta: str, make: Any) -> Frame:
-        """The delta event ``make`` builds for ``delta`` in ``state``'s open item of ``kind``, from
-        the template of that item's events, numbered, the state's text grown."""
         key = (kind, state.current_item_id, state.output_index, state.content_index)
-        template = self.template
-        if template is None or template[0] != key:
-            template = self.template = (key, *_template(make, state))
-        _, head, middle, tail, delta_first = template
+        if self.template is None or self.template[0] != key:
+            self.template = (key, *_template(make, state))
+        _, head, middle, tail, delta_first = self.template
         number = self.number(self.numbered).sequence_number
         state.accumulated_text += delta
         text, count = pydantic_core.to_json(delta), str(number).encode()

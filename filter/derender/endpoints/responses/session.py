@@ -121,11 +121,10 @@ class Session:
             self.frames.append(_error_event(self._failure or exc, self._sequence + 1))
 
     def _event(self, event: Any) -> None:
-        if type(event) is Frame:  # a delta written from a template (``LoopBody._frame``)
-            self._sequence = event.sequence_number
+        self._sequence = getattr(event, "sequence_number", self._sequence)
+        if isinstance(event, Frame):
             self.frames.append(event.frame)
             return
-        self._sequence = getattr(event, "sequence_number", self._sequence)
         self.frames.append(event_frame(event))
 
     def _drive(self) -> None:
@@ -183,21 +182,9 @@ class Session:
 
     def direct(self, res: Any) -> None:
         """``res`` (finishing nothing; ``takes_direct``) through the lean loop body now, as ``_lean``
-        would take it from the queue at the next ``settle``, with no queue, no wake-up (``_take``'s
-        lines, in place: the path of most of a stream's outputs)."""
-        try:
-            self._loop.step(res, self._event)  # type: ignore[union-attr]
-        except Exception as exc:
-            self._throw = exc
-            return
-        self.lean_events += 1
-        self.direct_events += 1
-
-    def ready(self) -> bool:
-        """The frames written so far are all the outputs fed so far give: vLLM's generator waits
-        for the next output and nothing is queued for it (``settle`` would run nothing)."""
-        task = self.task
-        return task is not None and task.done() and self.takes_direct()
+        would take it from the queue at the next ``settle``, with no queue, no wake-up."""
+        if self._take(res):
+            self.direct_events += 1
 
     async def _finish(self, resume: _Resume) -> None:
         """A step that awaited something other than the next output, finished as a task would."""
