@@ -255,7 +255,7 @@ def paced_ratios(runs: dict) -> list[str]:
 
     coupled, chat = total("vllm-coupled"), total("hermes")
     lines, any_paired = [], False
-    for name in ("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-vllm", "hermes-messages", "hermes-responses"):
+    for name in ("envoy", "echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-vllm", "hermes-messages", "hermes-responses"):
         mine = total(name)
         if mine is None:
             continue
@@ -276,7 +276,8 @@ def paced_ratios(runs: dict) -> list[str]:
                              f"**{statistics.median(paired):.2f}x** on /v1/{api})")
         parts = [p for p in parts if p]
         if parts:
-            lines.append(f"- {NAMES.get(name, name)}: Envoy + ext_proc {mine:.0f} us/token, " + ", ".join(parts))
+            what = "Envoy" if name == "envoy" else "Envoy + ext_proc"
+            lines.append(f"- {NAMES.get(name, name)}: {what} {mine:.0f} us/token, " + ", ".join(parts))
     for api in ("messages", "responses"):
         same = total(f"vllm-coupled-{api}")
         if same and coupled:
@@ -312,8 +313,8 @@ def paced_markdown(r: dict) -> str:
         f"Run {env.get('date', '')} on {env.get('cpus', '?')} CPUs ({env.get('cpu', '')}), `--workers {env.get('workers')}` "
         f"for the filter, Envoy `--concurrency {env.get('envoy_concurrency', 2)}`; command: `.venv/bin/python bench/run.py "
         f"--only paced{' --lockstep' if lockstep else ''}{paced_knobs(env)} --out bench/{out}`. The same qwen3 + hermes reasoning + tool-call token streams, one token per producer event, "
-        "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside the echo ext_proc "
-        "and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Envoy reaches the filter and "
+        "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside Envoy alone (the "
+        "producer's own request, no ext_proc), the echo ext_proc and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Envoy reaches the filter and "
         "the echo ext_proc on Unix sockets, as `derender up` does (`--filter-socket unix`), and the grpc.aio "
         "ones on loopback TCP. Pacing: "
         + ("**lockstep**: one engine step every 20 ms for every stream at once, as one GPU decodes its whole batch "

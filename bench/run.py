@@ -589,7 +589,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="where the report goes (default: bench/RESULTS.md; --quick: nowhere)")
     parser.add_argument("--only", choices=["agents", "paced"], default=None,
                         help="agents: only the chat / Messages / Responses CPU-per-token rows (~3 min); paced: only "
-                        "section 1b (production pacing) for echo, the filter on chat / Messages / Responses and vLLM's "
+                        "section 1b (production pacing) for Envoy alone, echo, the filter on chat / Messages / Responses and vLLM's "
                         "coupled server")
     parser.add_argument("--envoy-concurrency", type=int, default=procs.ENVOY_CONCURRENCY,
                         help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
@@ -614,9 +614,9 @@ def main() -> int:
             results["agent_lengths"] = bench.agent_lengths()
             return finish(args, results)
         if args.only == "paced":
-            log("phase: throughput (paced: echo and the filter on chat on both transports, Messages and Responses, "
-                "vLLM coupled on the same three APIs)")
-            results["throughput"] = bench.throughput(("echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-messages",
+            log("phase: throughput (paced: Envoy alone, echo and the filter on chat on both transports, Messages and "
+                "Responses, vLLM coupled on the same three APIs)")
+            results["throughput"] = bench.throughput(("envoy", "echo", "echo-grpcio", "hermes", "hermes-grpcio", "hermes-messages",
                                                       "hermes-responses", "vllm-coupled", "vllm-coupled-messages",
                                                       "vllm-coupled-responses"))
             return finish(args, results)
