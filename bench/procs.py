@@ -51,6 +51,17 @@ class Proc(Child):
         return tree[1:] or tree
 
 
+# The environment of the benchmark's vLLM processes (its render servers, its coupled server).
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def coupled_server(name: str, model_dir: str, script: Path, port: int, flags: list[str]) -> Proc:
+    """vLLM's coupled API server (``bench/coupled_vllm.py``) serving ``model_dir`` as qwen3 with ``flags``
+    (its parsers) on ``port``, its scripted engine sending ``script``'s tokens; not started yet."""
+    return Proc(name, [PYTHON, str(BENCH / "coupled_vllm.py"), "--model", model_dir, "--served-model-name", "qwen3",
+                       "--max-model-len", "40960", *flags, "--port", str(port), "--script", str(script)], env=VLLM_ENV)
+
+
 def write_report(lines: list[str], out: str) -> None:
     """Print a benchmark's markdown report and write it to ``out`` (``-``: print only)."""
     report = "\n".join(lines) + "\n"

@@ -146,7 +146,6 @@ class Bench:
                     "--served-model-name", SERVED, "--max-model-len", "40960", *HERMES_FLAGS,
                     "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 
-        vllm_env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
         # Envoy reaches the filters on their own transport, and the echo floor, on Unix sockets as
         # `derender up` does by default; the grpc.aio and full-duplex servers (grpc.aio too) on TCP.
         sockets = {name: p.unix_path(name) for name in ("echo", "plain", "hermes", "hermes-vllm")}
@@ -157,10 +156,9 @@ class Bench:
         started = {
             "sim": p.Proc("sim", sim(ports["sim"], self.script)),
             "sim-vllm": p.Proc("sim-vllm", sim(ports["sim-vllm"], self.vllm_script)),
-            "vllm": p.Proc("vllm-derender", vllm(ports["vllm"]), env=vllm_env),
-            "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=vllm_env),
-            "coupled": p.Proc("vllm-coupled", [p.PYTHON, str(BENCH / "coupled_vllm.py"), *model, *HERMES_FLAGS,
-                                               "--port", str(ports["coupled"]), "--script", str(self.script)], env=vllm_env),
+            "vllm": p.Proc("vllm-derender", vllm(ports["vllm"]), env=p.VLLM_ENV),
+            "vllm-render": p.Proc("vllm-render", vllm(ports["vllm-render"]), env=p.VLLM_ENV),
+            "coupled": p.coupled_server("vllm-coupled", self.model_dir, self.script, ports["coupled"], HERMES_FLAGS),
             "echo": p.Proc("echo", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo"]), *fixed,
                                     *uds("echo")]),
             "echo-fds": p.Proc("echo-fds", [p.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(ports["echo-fds"]),

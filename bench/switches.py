@@ -31,9 +31,6 @@ import procs
 import streams
 from stream_interval import HERMES
 
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"}
-
-
 def switches(pids: list[int]) -> tuple[int, int]:
     """(voluntary, involuntary) context switches of every thread of ``pids`` so far."""
     voluntary = involuntary = 0
@@ -92,9 +89,7 @@ def main() -> int:
             proc.stop()
         started.clear()
         port = procs.free_port()
-        coupled = procs.Proc("switches-coupled", [procs.PYTHON, str(BENCH / "coupled_vllm.py"), "--model", model_dir,
-                                                  "--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES,
-                                                  "--port", str(port), "--script", str(script)], env=VLLM_ENV).start()
+        coupled = procs.coupled_server("switches-coupled", model_dir, script, port, HERMES).start()
         started.append(coupled)
         base = f"http://127.0.0.1:{port}"
         coupled.wait(lambda: procs.http_ok(base + "/v1/models"), 600)
