@@ -256,12 +256,21 @@ def test_up_with_two_filter_processes_and_kv_events_routing(qwen3_dir):
         stats = _sim_stats(procs)
         assert sum(s["received"] for s in stats) == 9, stats
         assert all(c > 0 for i, c in enumerate(cached) if i % 3), cached  # later turns: their replica
-        log.seek(0)
-        routes = [line for line in log.read().splitlines() if " route=" in line]
+
+        def route_lines() -> list[str]:
+            log.seek(0)
+            return [line for line in log.read().splitlines() if " route=" in line]
+
+        def served() -> list[float]:
+            return [metric_total(f"http://127.0.0.1:{metrics + i}/metrics", "derender_routed_requests_total")
+                    for i in range(2)]
+
+        # A request's log line and its routing metrics are written when its ext_proc stream ends, which
+        # can come after the client has read the answer's last byte: wait for the ninth request's.
+        routes = wait_for(lambda: len(r := route_lines()) >= 9 and r, "the ninth request's log line")
         assert len(routes) == 9 and all(" routing=kv-events " in line for line in routes), routes
-        served = [metric_total(f"http://127.0.0.1:{metrics + i}/metrics", "derender_routed_requests_total")
-                  for i in range(2)]
-        assert sum(served) == 9 and min(served) > 0, served  # both filter processes took requests
+        counts = wait_for(lambda: sum(c := served()) >= 9 and c, "the ninth routed request in the metrics")
+        assert sum(counts) == 9 and min(counts) > 0, counts  # both filter processes took requests
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
         assert not [f for f in os.listdir(tmp) if f.startswith("derender")], os.listdir(tmp)
