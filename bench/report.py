@@ -417,4 +417,6 @@ def paced_knobs(env: dict) -> str:
         knobs += f" --envoy-concurrency {env['envoy_concurrency']}"
     if env.get("rounds"):
         knobs += f" --rounds {env['rounds']}"
+    if env.get("tokens"):
+        knobs += f" --tokens {env['tokens']}"
     return knobs

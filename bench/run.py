@@ -567,6 +567,7 @@ def environment(args: argparse.Namespace) -> dict:
         "envoy_concurrency": procs.ENVOY_CONCURRENCY,
         "default_envoy_concurrency": DEFAULT_ENVOY_CONCURRENCY,
         "rounds": args.rounds,
+        "tokens": args.tokens,
         "out_name": Path(args.out).name if args.out and args.out != "-" else None,
         "streams_per_connection": procs.STREAMS_PER_CONNECTION,
         "local_streams_per_connection": procs.streams_per_connection(),
@@ -593,6 +594,9 @@ def main() -> int:
                         help=f"Envoy's worker threads (default {procs.ENVOY_CONCURRENCY})")
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"throughput: rounds of every path, interleaved (default {Plan.load_rounds}; --quick: 1)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help=f"throughput: tokens per stream (default {Plan.load_tokens}; the per-request costs weigh "
+                        "less on longer streams, on both sides)")
     parser.add_argument("--lockstep", action="store_true",
                         help="throughput: every stream's event at the same moment, one engine step every 20 ms for all, "
                         "as one GPU decodes its batch (default: each stream paced by its own timer)")
@@ -601,6 +605,8 @@ def main() -> int:
     plan = Plan.quick() if args.quick else Plan()
     if args.rounds:
         plan.load_rounds = args.rounds
+    if args.tokens:
+        plan.load_tokens = args.tokens
     model_dir = args.model or str(assets.fetch("qwen3", quiet=True))
     bench = Bench(args, plan, model_dir)
     results: dict = {"env": environment(args), "plan": {**plan.__dict__, "lockstep": args.lockstep}}
