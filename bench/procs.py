@@ -62,6 +62,18 @@ def coupled_server(name: str, model_dir: str, script: Path, port: int, flags: li
                        "--max-model-len", "40960", *flags, "--port", str(port), "--script", str(script)], env=VLLM_ENV)
 
 
+def start_coupled(started: list[Proc], name: str, model_dir: str, script: Path, flags: list[str], delay: float) -> tuple[Proc, str]:
+    """``coupled_server`` started (appended to ``started``), ready and paced one event every ``delay``
+    seconds, each stream on its own timer; the process and its base URL."""
+    port = free_port()
+    coupled = coupled_server(name, model_dir, script, port, flags).start()
+    started.append(coupled)
+    base = f"http://127.0.0.1:{port}"
+    coupled.wait(lambda: http_ok(base + "/v1/models"), 600)
+    post(base + "/bench/delay", {"delay": delay, "lockstep": False})
+    return coupled, base
+
+
 def write_report(lines: list[str], out: str) -> None:
     """Print a benchmark's markdown report and write it to ``out`` (``-``: print only)."""
     report = "\n".join(lines) + "\n"

@@ -70,12 +70,7 @@ def main() -> int:
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
         server, envoy = procs.start_stack(started, "split", model_dir, script, serve, args.delay)
-        port = procs.free_port()
-        coupled = procs.coupled_server("split-coupled", model_dir, script, port, HERMES).start()
-        started.append(coupled)
-        base = f"http://127.0.0.1:{port}"
-        coupled.wait(lambda: procs.http_ok(base + "/v1/models"), 600)
-        procs.post(base + "/bench/delay", {"delay": args.delay, "lockstep": False})
+        coupled, base = procs.start_coupled(started, "split-coupled", model_dir, script, HERMES, args.delay)
         # The simulator and the coupled server read the script on every request.
         sides = {"filter": (envoy.url + path, [server, envoy.proc]), "coupled": (base + path, [coupled])}
         for n in (short, long):  # warm-up: every path and length once

@@ -88,12 +88,7 @@ def main() -> int:
         for proc in reversed(started):
             proc.stop()
         started.clear()
-        port = procs.free_port()
-        coupled = procs.coupled_server("switches-coupled", model_dir, script, port, HERMES).start()
-        started.append(coupled)
-        base = f"http://127.0.0.1:{port}"
-        coupled.wait(lambda: procs.http_ok(base + "/v1/models"), 600)
-        procs.post(base + "/bench/delay", {"delay": args.delay, "lockstep": False})
+        coupled, base = procs.start_coupled(started, "switches-coupled", model_dir, script, HERMES, args.delay)
         direct = measure(base + streams.API_PATHS[args.api], body, {"vLLM coupled server": coupled.tree()}, args)
     finally:
         for proc in reversed(started):
