@@ -91,9 +91,6 @@ def main() -> int:
         for proc in reversed(started):
             proc.stop()
 
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
     request_ratio = [row["filter"][0] / row["coupled"][0] for row in rows]
     token_ratio = [row["filter"][1] / row["coupled"][1] for row in rows]
     lines = [
@@ -114,9 +111,9 @@ def main() -> int:
         lines.append(f"| {i} | {fr * 1e3:.2f} | {ft * 1e6:.1f} | {cr * 1e3:.2f} | {ct * 1e6:.1f} | "
                      f"{fr / cr:.2f}x | {ft / ct:.2f}x |")
     lines += [
-        f"| median | {med([r['filter'][0] for r in rows]) * 1e3:.2f} | {med([r['filter'][1] for r in rows]) * 1e6:.1f} | "
-        f"{med([r['coupled'][0] for r in rows]) * 1e3:.2f} | {med([r['coupled'][1] for r in rows]) * 1e6:.1f} | "
-        f"**{med(request_ratio):.2f}x** | **{med(token_ratio):.2f}x** |",
+        f"| median | {statistics.median([r['filter'][0] for r in rows]) * 1e3:.2f} | {statistics.median([r['filter'][1] for r in rows]) * 1e6:.1f} | "
+        f"{statistics.median([r['coupled'][0] for r in rows]) * 1e3:.2f} | {statistics.median([r['coupled'][1] for r in rows]) * 1e6:.1f} | "
+        f"**{statistics.median(request_ratio):.2f}x** | **{statistics.median(token_ratio):.2f}x** |",
         "",
         "The last two columns pair each round's two sides; their medians are the figures to quote.",
     ]

@@ -31,6 +31,7 @@ import procs
 import streams
 from stream_interval import HERMES
 
+
 def switches(pids: list[int]) -> tuple[int, int]:
     """(voluntary, involuntary) context switches of every thread of ``pids`` so far."""
     voluntary = involuntary = 0
