@@ -11,6 +11,13 @@ runs both settings one after the other on the same streams (A first in even roun
 their CPU per token within a round, whose median over ``--rounds`` rounds is given with the
 spread, beside each setting's median and least CPU per token.
 
+``--evict-mb N``: every ``--evict-every`` messages handed (default 6, about what a paced worker takes
+a wake-up), N MiB are written through, one byte a cache line, so that the next messages find their
+streams' objects and the code out of the caches, as the paced server's wake-ups do (its last-level
+cache is 32 MiB here: 64 evicts all of it; the writing's CPU is not counted). Without it the
+streams run with hot caches, which the server never has: a lever that touches less memory shows
+here, one that only saves instructions shows without it.
+
 This is steadier than ``paced_ab.py`` (separate processes, minutes apart) on this shared machine,
 where one process's CPU per token can move by 1.5x between runs: the two settings share every
 slow spell but the ones shorter than a round (about 0.1 s at 16 streams of 100 tokens). Use it to
@@ -72,9 +79,28 @@ def script(api: str, frames: list[bytes]) -> list[bytes]:
     ]
 
 
-async def batch(processor: Any, messages: list[bytes], streams_n: int) -> int:
-    """``streams_n`` streams of ``messages`` through ``processor``, one message of each in turn;
-    the bytes of the replies."""
+class Evict:
+    """Writes one byte in every cache line of ``mib`` MiB every ``every`` calls of ``tick``; ``spent``:
+    the CPU seconds that took (taken off the measured cost)."""
+
+    def __init__(self, mib: int, every: int) -> None:
+        self.buffer = bytearray(mib << 20)
+        self.line = bytes(len(self.buffer[::64]))
+        self.every, self.count, self.spent = max(1, every), 0, 0.0
+
+    def tick(self) -> None:
+        if not self.buffer:
+            return
+        self.count += 1
+        if self.count % self.every == 0:
+            start = time.process_time()
+            self.buffer[::64] = self.line
+            self.spent += time.process_time() - start
+
+
+async def batch(processor: Any, messages: list[bytes], streams_n: int, evict: Evict | None = None) -> int:
+    """``streams_n`` streams of ``messages`` through ``processor``, one message of each in turn
+    (``evict.tick()`` before each); the bytes of the replies."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from grpc.aio import EOF
 
@@ -100,6 +126,8 @@ async def batch(processor: Any, messages: list[bytes], streams_n: int) -> int:
                 await asyncio.sleep(0)
             future = waiting.pop(i, None)
             if future is not None:
+                if evict is not None:
+                    evict.tick()
                 queue = queues[i]
                 future.set_result(pb.ProcessingRequest.FromString(queue.popleft()) if queue else EOF)
         await asyncio.sleep(0)
@@ -137,14 +165,16 @@ async def run(args: argparse.Namespace, model_dir: str, model: Any) -> list[str]
     for which in ("A", "B", "A", "B"):  # warm-up: every code path and cache once
         await batch(processor, setting(which), args.streams)
     tokens = args.streams * args.tokens
+    evict = Evict(args.evict_mb, args.evict_every)
     a_us, b_us, ratios = [], [], []
     for round_ in range(args.rounds):
         costs = {}
         for which in ("A", "B") if round_ % 2 == 0 else ("B", "A"):  # neither always first
             messages = setting(which)
+            evict.spent = 0.0
             start = time.process_time()
-            await batch(processor, messages, args.streams)
-            costs[which] = (time.process_time() - start) / tokens * 1e6
+            await batch(processor, messages, args.streams, evict)
+            costs[which] = (time.process_time() - start - evict.spent) / tokens * 1e6
         a_us.append(costs["A"])
         b_us.append(costs["B"])
         ratios.append(costs["B"] / costs["A"])
@@ -156,7 +186,8 @@ async def run(args: argparse.Namespace, model_dir: str, model: Any) -> list[str]
     spread = sorted(ratios)
     return [
         f"`.venv/bin/python bench/inproc_ab.py {' '.join(sys.argv[1:])}`: {args.streams} interleaved qwen3 + hermes "
-        f"streams of {args.tokens} tokens through `serve_stream` (no transport), {args.rounds} rounds.",
+        f"streams of {args.tokens} tokens through `serve_stream` (no transport), {args.rounds} rounds"
+        + (f", {args.evict_mb} MiB written through every {args.evict_every} messages (not counted)." if args.evict_mb else "."),
         "",
         "| setting | CPU us/token, median round | least |",
         "|---|---:|---:|",
@@ -177,6 +208,9 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--evict-mb", type=int, default=0, help="MiB written through every --evict-every messages: "
+                        "the caches as a paced server's wake-ups find them (default 0: hot caches)")
+    parser.add_argument("--evict-every", type=int, default=6, help="messages between two evictions (default 6)")
     args = parser.parse_args()
     if bool(args.vs_api) == bool(args.toggle):
         parser.error("give one of --vs-api and --toggle")

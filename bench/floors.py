@@ -1,0 +1,166 @@
+"""What the ext_proc round trip per producer event costs: the filter's stack beside its transport
+floors and vLLM's coupled server, in one run.
+
+    .venv/bin/python bench/floors.py [--api chat|messages|responses] [--tokens 250] [--rounds 5] [--out -]
+
+Five sides, all up at once and measured in turn (the order alternating by round), each given
+``--streams`` concurrent streams of ``--tokens`` tokens paced one event every ``--delay`` seconds:
+
+- ``alone``: Envoy proxying the producer's stream (the client posts the producer request itself);
+- ``relay``: Envoy -> ``bench/byte_relay.py`` -> the producer: a process in the response path that
+  reads each event and writes it on, as a filter that were Envoy's upstream would (Envoy + relay);
+- ``echo``: Envoy + ``bench/echo_extproc.py`` (Envoy asks it about every event and it answers with the
+  same bytes): the ext_proc transport floor (Envoy + echo);
+- ``filter``: Envoy + ``derender serve`` with the default flags, through ``--api`` (Envoy + filter);
+- ``coupled``: vLLM's coupled server (``bench/coupled_vllm.py``) through ``--api``.
+
+The floors' producer request is a fixed prompt of token ids (the simulator's script sets the answer,
+as for the other two). Per round, each side's CPU per token (microseconds) and its ratio to the
+coupled server's in that round; the report has every round and the medians. The last row estimates a
+filter in the upstream position: the relay floor plus what the filter's worker costs over the echo
+server's (the same translation, without Envoy's ext_proc hop or the gRPC framing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+import load
+import procs
+import streams
+from stream_interval import HERMES
+
+SIDES = ("alone", "relay", "echo", "filter", "coupled")
+
+
+def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> list[float]:
+    """``count`` concurrent streams at ``url``; each of ``group``'s CPU microseconds per token."""
+    before = [p.cpu() for p in group]
+    done, _ = asyncio.run(load.streams(url, body, count, count, ramp=1.0))
+    finished = sum(1 for s in done if s.done)
+    if finished != count:
+        raise RuntimeError(f"{count - finished} of {count} streams at {url} did not finish")
+    return [(p.cpu() - b) / (count * tokens) * 1e6 for p, b in zip(group, before, strict=True)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--api", choices=list(streams.API_PATHS), default="chat", help="the filter's and the coupled server's API")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=250)
+    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
+    args = parser.parse_args()
+    procs.exit_on_sigterm()
+    model_dir, script = procs.reasoning_script("floors", args.tokens)
+    chat = streams.chat_request("qwen3", True)
+    api_body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+    path = streams.API_PATHS[args.api]
+    prompt = streams._ids(model_dir, streams.prompt_of(model_dir, 200))
+    generate = json.dumps({"token_ids": prompt, "sampling_params": {"max_tokens": 4096, "temperature": 0, "n": 1},
+                           "stream": True}).encode()
+    started: list[procs.Proc] = []
+    rows: list[dict[str, list[float]]] = []
+    try:
+        serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
+        server, envoy = procs.start_stack(started, "floors", model_dir, script, serve, args.delay)
+        sim_port = int(started[0].argv[started[0].argv.index("--port") + 1])  # start_stack's simulator
+        relay_port, echo_port = procs.free_port(), procs.free_port()
+        relay = procs.Proc("floors-relay", [procs.PYTHON, str(BENCH / "byte_relay.py"), "--port", str(relay_port),
+                                            "--target-port", str(sim_port)]).start()
+        started.append(relay)
+        echo_socket = procs.unix_path("floors-echo")
+        echo = procs.Proc("floors-echo", [procs.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(echo_port),
+                                          "--workers", "1", "--uds", echo_socket]).start()
+        started.append(echo)
+        relay.wait(lambda: procs.tcp_open(relay_port), 60)
+        echo.wait(lambda: procs.tcp_open(echo_port), 120)
+        envoys = {"alone": procs.start_envoy("floors-envoy-alone", sim_port, None),
+                  "relay": procs.start_envoy("floors-envoy-relay", relay_port, None),
+                  "echo": procs.start_envoy("floors-envoy-echo", sim_port, echo_port, unix=echo_socket)}
+        for e in envoys.values():
+            started.append(e.proc)
+            e.proc.wait(lambda e=e: procs.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
+        coupled, base = procs.start_coupled(started, "floors-coupled", model_dir, script, HERMES, args.delay)
+        generate_path = "/inference/v1/generate"
+        sides = {
+            "alone": (envoys["alone"].url + generate_path, generate, [envoys["alone"].proc]),
+            "relay": (envoys["relay"].url + generate_path, generate, [envoys["relay"].proc, relay]),
+            "echo": (envoys["echo"].url + generate_path, generate, [envoys["echo"].proc, echo]),
+            "filter": (envoy.url + path, api_body, [envoy.proc, server]),
+            "coupled": (base + path, api_body, [coupled]),
+        }
+        for url, body, group in sides.values():  # warm-up
+            cpu_per_token(url, body, group, args.streams, args.tokens)
+        for round_ in range(args.rounds):
+            row: dict[str, list[float]] = {}
+            for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
+                url, body, group = sides[side]
+                row[side] = cpu_per_token(url, body, group, args.streams, args.tokens)
+            rows.append(row)
+            print(f"round {round_ + 1}: " + ", ".join(f"{s} {'+'.join(f'{x:.1f}' for x in row[s])}" for s in SIDES), flush=True)
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+    def total(row: dict[str, list[float]], side: str) -> float:
+        return sum(row[side])
+
+    def upstream(row: dict[str, list[float]]) -> float:
+        return total(row, "relay") + row["filter"][1] - row["echo"][1]
+
+    def part(side: str, i: int) -> float:
+        return statistics.median(row[side][i] for row in rows)
+
+    def ratio(f) -> str:
+        return f"{statistics.median(f(row) / total(row, 'coupled') for row in rows):.2f}x"
+
+    labels = {
+        "alone": "Envoy alone",
+        "relay": "Envoy + byte relay (the upstream position's floor)",
+        "echo": "Envoy + echo ext_proc (the ext_proc floor)",
+        "filter": f"Envoy + derender ({args.api})",
+        "coupled": f"vLLM's coupled server ({args.api})",
+    }
+    lines = [
+        "# The ext_proc round trip against a byte relay",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/floors.py --api "
+        f"{args.api} --streams {args.streams} --tokens {args.tokens} --delay {args.delay} --rounds {args.rounds}`: "
+        f"{args.streams} concurrent streams of {args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms, "
+        "on five sides up at once and measured in turn, the order alternating by round. CPU microseconds per token, "
+        "medians of the rounds; the ratio pairs each round's side with that round's coupled server.",
+        "",
+        "| side | Envoy | the other process | together | against the coupled server |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for side in SIDES:
+        envoy_part = f"{part(side, 0):.1f}" if side != "coupled" else ""
+        other = f"{part(side, 1):.1f}" if len(rows[0][side]) > 1 else ("" if side == "alone" else f"{part(side, 0):.1f}")
+        lines.append(f"| {labels[side]} | {envoy_part} | {other} | {statistics.median(total(r, side) for r in rows):.1f} | "
+                     f"{ratio(lambda r, s=side: total(r, s))} |")
+    lines += [
+        f"| estimate: the filter as Envoy's upstream (relay + filter worker - echo worker) | | | "
+        f"{statistics.median(upstream(r) for r in rows):.1f} | {ratio(upstream)} |",
+        "",
+        "Every round (us per token: Envoy + the other process):",
+        "",
+        *(f"- round {i}: " + ", ".join(f"{s} {'+'.join(f'{x:.1f}' for x in row[s])}" for s in SIDES)
+          for i, row in enumerate(rows, 1)),
+    ]
+    procs.write_report(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
