@@ -54,12 +54,7 @@ def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, to
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", choices=list(streams.API_PATHS), default="chat", help="the filter's and the coupled server's API")
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=250)
-    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
+    procs.paced_options(parser, tokens=250, rounds=5, api_help="the filter's and the coupled server's API")
     args = parser.parse_args()
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("floors", args.tokens)

@@ -193,6 +193,20 @@ def start_envoy(name: str, producer_port: int, filter_port: int | None, full_dup
     return Envoy(proc, port, admin)
 
 
+def paced_options(parser, tokens: int | None, rounds: int, rounds_help: str | None = None, api_help: str | None = None) -> None:
+    """The options a paced run's script shares: ``--api``, ``--streams`` (64), ``--tokens`` (``tokens``;
+    none if None), ``--delay`` (0.02 s), ``--rounds`` (``rounds``) and ``--out`` (a markdown report)."""
+    import streams  # the bench's token streams (bench/ is on sys.path for every bench script)
+
+    parser.add_argument("--api", choices=list(streams.API_PATHS), default="chat", help=api_help)
+    parser.add_argument("--streams", type=int, default=64)
+    if tokens is not None:
+        parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
+
+
 def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
     """The bench's Qwen3 folder (fetched if missing) and a simulator script, in the log folder, of
     one Qwen3 reasoning + hermes tool-call answer of ``tokens`` tokens."""

@@ -51,12 +51,8 @@ def split(short: int, long: int, cost_short: float, cost_long: float) -> tuple[f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", choices=list(streams.API_PATHS), default="chat")
+    procs.paced_options(parser, tokens=None, rounds=5)
     parser.add_argument("--lengths", default="60,300", help="two stream lengths in tokens (default 60,300)")
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
     args = parser.parse_args()
     short, long = sorted(int(n) for n in args.lengths.split(","))
     procs.exit_on_sigterm()

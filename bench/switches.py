@@ -69,12 +69,7 @@ def measure(url: str, body: bytes, named: dict[str, list[psutil.Process]], args:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--api", choices=list(streams.API_PATHS), default="chat")
-    parser.add_argument("--streams", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=100)
-    parser.add_argument("--delay", type=float, default=0.02, help="seconds between a stream's events (default 0.02)")
-    parser.add_argument("--rounds", type=int, default=3, help="batches of --streams measured (default 3)")
-    parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
+    procs.paced_options(parser, tokens=100, rounds=3, rounds_help="batches of --streams measured (default 3)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("switches", args.tokens)
