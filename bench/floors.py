@@ -56,11 +56,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     procs.paced_options(parser, tokens=250, rounds=5, api_help="the filter's and the coupled server's API")
     args = parser.parse_args()
+    path, api_body = streams.API_PATHS[args.api], streams.api_body(args.api)
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("floors", args.tokens)
-    chat = streams.chat_request("qwen3", True)
-    api_body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
-    path = streams.API_PATHS[args.api]
     prompt = streams._ids(model_dir, streams.prompt_of(model_dir, 200))
     generate = json.dumps({"token_ids": prompt, "sampling_params": {"max_tokens": 4096, "temperature": 0, "n": 1},
                            "stream": True}).encode()

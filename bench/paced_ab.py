@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import subprocess
 import sys
@@ -142,8 +141,7 @@ def one_round(tree: str | None, model_dir: str, script: Path, args: argparse.Nam
                                           lockstep=args.lockstep,
                                           envoy_concurrency=envoy_threads or args.envoy_concurrency,
                                           unix=reach == "unix")
-        chat = streams.chat_request("qwen3", True)
-        body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+        body = streams.api_body(args.api)
         url = envoy.url + streams.API_PATHS[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         threads0, stats0, envoy0, woke0 = thread_cpu(server.pid), envoy.stats(), envoy.proc.cpu(), wakeups(server.pid)

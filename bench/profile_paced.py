@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import collections
 import datetime
-import json
 import re
 import shutil
 import subprocess
@@ -95,8 +94,7 @@ def main() -> int:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--stream-path", args.stream_path,
                  "--workers", "1"]
         server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay)
-        chat = streams.chat_request("qwen3", True)
-        body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+        body = streams.api_body(args.api)
         url = envoy.url + streams.API_PATHS[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up
         stop = threading.Event()

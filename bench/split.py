@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -57,8 +56,7 @@ def main() -> int:
     short, long = sorted(int(n) for n in args.lengths.split(","))
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("split", long)
-    chat = streams.chat_request("qwen3", True)
-    body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+    body = streams.api_body(args.api)
     path = streams.API_PATHS[args.api]
     scripts = {n: streams.script_line(streams.reasoning_tool_call(model_dir, n)) for n in (short, long)}
     started: list[procs.Proc] = []

@@ -90,6 +90,12 @@ def chat_request(model: str, tools: bool, prompt: str | None = None, max_tokens:
 API_PATHS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
+def api_body(api: str) -> bytes:
+    """The bench's qwen3 chat request with tools, as the body of a request to ``api`` (``API_PATHS``)."""
+    chat = chat_request("qwen3", True)
+    return json.dumps(chat if api == "chat" else agent_request(chat, api)).encode()
+
+
 def agent_request(chat: dict, endpoint: str) -> dict:
     """``chat`` as the same question to /v1/messages (Anthropic) or /v1/responses (OpenAI)."""
     system = next(m["content"] for m in chat["messages"] if m["role"] == "system")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -73,8 +72,7 @@ def main() -> int:
     args = parser.parse_args()
     procs.exit_on_sigterm()
     model_dir, script = procs.reasoning_script("switches", args.tokens)
-    chat = streams.chat_request("qwen3", True)
-    body = json.dumps(chat if args.api == "chat" else streams.agent_request(chat, args.api)).encode()
+    body = streams.api_body(args.api)
     started: list[procs.Proc] = []
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
