@@ -24,7 +24,6 @@ server's (the same translation, without Envoy's ext_proc hop or the gRPC framing
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import statistics
@@ -34,7 +33,6 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import load
 import procs
 import streams
 from stream_interval import HERMES
@@ -44,12 +42,7 @@ SIDES = ("alone", "relay", "echo", "filter", "coupled")
 
 def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> list[float]:
     """``count`` concurrent streams at ``url``; each of ``group``'s CPU microseconds per token."""
-    before = [p.cpu() for p in group]
-    done, _ = asyncio.run(load.streams(url, body, count, count, ramp=1.0))
-    finished = sum(1 for s in done if s.done)
-    if finished != count:
-        raise RuntimeError(f"{count - finished} of {count} streams at {url} did not finish")
-    return [(p.cpu() - b) / (count * tokens) * 1e6 for p, b in zip(group, before, strict=True)]
+    return [cpu / (count * tokens) * 1e6 for cpu in procs.streams_cpu(url, body, group, count)]
 
 
 def main() -> int:

@@ -207,6 +207,21 @@ def paced_options(parser, tokens: int | None, rounds: int, rounds_help: str | No
     parser.add_argument("--out", default="-", help="a markdown report (default '-': stdout only)")
 
 
+def streams_cpu(url: str, body: bytes, group: list[Proc], count: int) -> list[float]:
+    """``count`` concurrent paced streams at ``url`` (started over a second); the CPU seconds each of
+    ``group`` used meanwhile. Raises if any stream did not finish."""
+    import asyncio
+
+    import load  # the bench's clients (bench/ is on sys.path for every bench script)
+
+    before = [p.cpu() for p in group]
+    done, _ = asyncio.run(load.streams(url, body, count, count, ramp=1.0))
+    finished = sum(1 for s in done if s.done)
+    if finished != count:
+        raise RuntimeError(f"{count - finished} of {count} streams at {url} did not finish")
+    return [p.cpu() - b for p, b in zip(group, before, strict=True)]
+
+
 def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
     """The bench's Qwen3 folder (fetched if missing) and a simulator script, in the log folder, of
     one Qwen3 reasoning + hermes tool-call answer of ``tokens`` tokens."""

@@ -17,7 +17,6 @@ report has every round's, their medians and the paired ratios (filter / coupled,
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import statistics
 import sys
@@ -26,20 +25,14 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-import load
 import procs
 import streams
 from stream_interval import HERMES
 
 
 def cpu_per_stream(url: str, body: bytes, group: list[procs.Proc], count: int) -> float:
-    """``count`` concurrent streams at ``url``; the CPU seconds ``group`` used per finished stream."""
-    before = sum(p.cpu() for p in group)
-    done, _ = asyncio.run(load.streams(url, body, count, count, ramp=1.0))
-    finished = sum(1 for s in done if s.done)
-    if finished != count:
-        raise RuntimeError(f"{count - finished} of {count} streams at {url} did not finish")
-    return (sum(p.cpu() for p in group) - before) / finished
+    """``count`` concurrent streams at ``url``; the CPU seconds ``group`` used per stream."""
+    return sum(procs.streams_cpu(url, body, group, count)) / count
 
 
 def split(short: int, long: int, cost_short: float, cost_long: float) -> tuple[float, float]:

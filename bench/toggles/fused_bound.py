@@ -19,7 +19,6 @@ import json
 from typing import Any
 
 _ORIGINAL: Any = None
-_STATE: dict[int, list[Any]] = {}  # id(exchange) -> [events seen, DecodeStream, chunk head]
 _TOKENIZER: Any = None
 _TAIL = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
 
@@ -38,9 +37,9 @@ async def _stand_in(self: Any, chunk: bytes, end: bool) -> bytes:
     from derender.translate import eventjson
     from tokenizers.decoders import DecodeStream
 
-    state = _STATE.get(id(self))
+    state = self.__dict__.get("_fused")  # [events seen, DecodeStream, chunk head], on the exchange itself
     if state is None:
-        state = _STATE[id(self)] = [0, DecodeStream(skip_special_tokens=True),
+        state = self._fused = [0, DecodeStream(skip_special_tokens=True),
                                     b'data: {"id":"chatcmpl-%d","object":"chat.completion.chunk","created":1,'
                                     b'"model":"qwen3","choices":[{"index":0,"delta":{"reasoning":"' % id(self)]
     state[0] += 1
@@ -71,4 +70,3 @@ def off() -> None:
 
     if _ORIGINAL is not None:
         ModelExchange.response_chunk = _ORIGINAL  # type: ignore[method-assign]
-    _STATE.clear()
