@@ -1,9 +1,9 @@
 """What the ext_proc round trip per producer event costs: the filter's stack beside its transport
-floors and vLLM's coupled server, in one run.
+floors, a prototype of it in Envoy's upstream position and vLLM's coupled server, in one run.
 
     .venv/bin/python bench/floors.py [--api chat|messages|responses] [--tokens 250] [--rounds 5] [--out -]
 
-Five sides, all up at once and measured in turn (the order alternating by round), each given
+Six sides, all up at once and measured in turn (the order alternating by round), each given
 ``--streams`` concurrent streams of ``--tokens`` tokens paced one event every ``--delay`` seconds:
 
 - ``alone``: Envoy proxying the producer's stream (the client posts the producer request itself);
@@ -12,13 +12,17 @@ Five sides, all up at once and measured in turn (the order alternating by round)
 - ``echo``: Envoy + ``bench/echo_extproc.py`` (Envoy asks it about every event and it answers with the
   same bytes): the ext_proc transport floor (Envoy + echo);
 - ``filter``: Envoy + ``derender serve`` with the default flags, through ``--api`` (Envoy + filter);
+- ``upstream``: Envoy -> ``bench/upstream_proto.py`` -> the producer, through ``--api``: a prototype of
+  derender as Envoy's upstream, the filter's own exchange translating each event in the response path
+  (Envoy + prototype), with no ext_proc hop;
 - ``coupled``: vLLM's coupled server (``bench/coupled_vllm.py``) through ``--api``.
 
 The floors' producer request is a fixed prompt of token ids (the simulator's script sets the answer,
-as for the other two). Per round, each side's CPU per token (microseconds) and its ratio to the
+as for the three sides asked through ``--api``). Per round, each side's CPU per token (microseconds) and its ratio to the
 coupled server's in that round; the report has every round and the medians. The last row estimates a
-filter in the upstream position: the relay floor plus what the filter's worker costs over the echo
-server's (the same translation, without Envoy's ext_proc hop or the gRPC framing).
+filter in the upstream position from the others, as the prototype's side measures it: the relay floor
+plus what the filter's worker costs over the echo server's (the same translation, without Envoy's
+ext_proc hop or the gRPC framing).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import procs
 import streams
 from stream_interval import HERMES
 
-SIDES = ("alone", "relay", "echo", "filter", "coupled")
+SIDES = ("alone", "relay", "echo", "filter", "upstream", "coupled")
 
 
 def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> list[float]:
@@ -61,7 +65,7 @@ def main() -> int:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
         server, envoy = procs.start_stack(started, "floors", model_dir, script, serve, args.delay)
         sim_port = int(started[0].argv[started[0].argv.index("--port") + 1])  # start_stack's simulator
-        relay_port, echo_port = procs.free_port(), procs.free_port()
+        relay_port, echo_port, proto_port = procs.free_port(), procs.free_port(), procs.free_port()
         relay = procs.Proc("floors-relay", [procs.PYTHON, str(BENCH / "byte_relay.py"), "--port", str(relay_port),
                                             "--target-port", str(sim_port)]).start()
         started.append(relay)
@@ -69,11 +73,16 @@ def main() -> int:
         echo = procs.Proc("floors-echo", [procs.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(echo_port),
                                           "--workers", "1", "--uds", echo_socket]).start()
         started.append(echo)
+        proto = procs.Proc("floors-upstream", [procs.PYTHON, str(BENCH / "upstream_proto.py"), "--port", str(proto_port), "--",
+                                               "--model", model_dir, *serve, "--producer", f"http://127.0.0.1:{sim_port}"]).start()
+        started.append(proto)
         relay.wait(lambda: procs.tcp_open(relay_port), 60)
         echo.wait(lambda: procs.tcp_open(echo_port), 120)
+        proto.wait(lambda: procs.tcp_open(proto_port), 600)
         envoys = {"alone": procs.start_envoy("floors-envoy-alone", sim_port, None),
                   "relay": procs.start_envoy("floors-envoy-relay", relay_port, None),
-                  "echo": procs.start_envoy("floors-envoy-echo", sim_port, echo_port, unix=echo_socket)}
+                  "echo": procs.start_envoy("floors-envoy-echo", sim_port, echo_port, unix=echo_socket),
+                  "upstream": procs.start_envoy("floors-envoy-upstream", proto_port, None)}
         for e in envoys.values():
             started.append(e.proc)
             e.proc.wait(lambda e=e: procs.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
@@ -84,6 +93,7 @@ def main() -> int:
             "relay": (envoys["relay"].url + generate_path, generate, [envoys["relay"].proc, relay]),
             "echo": (envoys["echo"].url + generate_path, generate, [envoys["echo"].proc, echo]),
             "filter": (envoy.url + path, api_body, [envoy.proc, server]),
+            "upstream": (envoys["upstream"].url + path, api_body, [envoys["upstream"].proc, proto]),
             "coupled": (base + path, api_body, [coupled]),
         }
         for url, body, group in sides.values():  # warm-up
@@ -116,15 +126,16 @@ def main() -> int:
         "relay": "Envoy + byte relay (the upstream position's floor)",
         "echo": "Envoy + echo ext_proc (the ext_proc floor)",
         "filter": f"Envoy + derender ({args.api})",
+        "upstream": f"Envoy + derender as Envoy's upstream, the prototype ({args.api})",
         "coupled": f"vLLM's coupled server ({args.api})",
     }
     lines = [
-        "# The ext_proc round trip against a byte relay",
+        "# The ext_proc round trip against a byte relay, and derender as Envoy's upstream",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/floors.py --api "
         f"{args.api} --streams {args.streams} --tokens {args.tokens} --delay {args.delay} --rounds {args.rounds}`: "
         f"{args.streams} concurrent streams of {args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms, "
-        "on five sides up at once and measured in turn, the order alternating by round. CPU microseconds per token, "
+        "on six sides up at once and measured in turn, the order alternating by round. CPU microseconds per token, "
         "medians of the rounds; the ratio pairs each round's side with that round's coupled server.",
         "",
         "| side | Envoy | the other process | together | against the coupled server |",
