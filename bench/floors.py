@@ -19,7 +19,9 @@ Six sides, all up at once and measured in turn (the order alternating by round),
 
 The floors' producer request is a fixed prompt of token ids (the simulator's script sets the answer,
 as for the three sides asked through ``--api``). Per round, each side's CPU per token (microseconds) and its ratio to the
-coupled server's in that round; the report has every round and the medians. The last row estimates a
+coupled server's in that round, and the streams' median time to their first body read (comparable among
+the five sides the simulator paces; the coupled server's engine paces its first output otherwise);
+the report has every round and the medians. The last row estimates a
 filter in the upstream position from the others, as the prototype's side measures it: the relay floor
 plus what the filter's worker costs over the echo server's (the same translation, without Envoy's
 ext_proc hop or the gRPC framing).
@@ -44,9 +46,11 @@ from stream_interval import HERMES
 SIDES = ("alone", "relay", "echo", "filter", "upstream", "coupled")
 
 
-def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> list[float]:
-    """``count`` concurrent streams at ``url``; each of ``group``'s CPU microseconds per token."""
-    return [cpu / (count * tokens) * 1e6 for cpu in procs.streams_cpu(url, body, group, count)]
+def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> tuple[list[float], float]:
+    """``count`` concurrent streams at ``url``; each of ``group``'s CPU microseconds per token, and the
+    streams' median time to their first body read in milliseconds."""
+    cpus, firsts = procs.streams_run(url, body, group, count)
+    return [cpu / (count * tokens) * 1e6 for cpu in cpus], statistics.median(firsts) * 1e3
 
 
 def main() -> int:
@@ -61,6 +65,7 @@ def main() -> int:
                            "stream": True}).encode()
     started: list[procs.Proc] = []
     rows: list[dict[str, list[float]]] = []
+    firsts: dict[str, list[float]] = {side: [] for side in SIDES}  # each round's median first read, ms
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
         server, envoy = procs.start_stack(started, "floors", model_dir, script, serve, args.delay)
@@ -102,7 +107,8 @@ def main() -> int:
             row: dict[str, list[float]] = {}
             for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
                 url, body, group = sides[side]
-                row[side] = cpu_per_token(url, body, group, args.streams, args.tokens)
+                row[side], first = cpu_per_token(url, body, group, args.streams, args.tokens)
+                firsts[side].append(first)
             rows.append(row)
             print(f"round {round_ + 1}: " + ", ".join(f"{s} {'+'.join(f'{x:.1f}' for x in row[s])}" for s in SIDES), flush=True)
     finally:
@@ -136,19 +142,22 @@ def main() -> int:
         f"{args.api} --streams {args.streams} --tokens {args.tokens} --delay {args.delay} --rounds {args.rounds}`: "
         f"{args.streams} concurrent streams of {args.tokens} tokens, one token per event every {args.delay * 1e3:.0f} ms, "
         "on six sides up at once and measured in turn, the order alternating by round. CPU microseconds per token, "
-        "medians of the rounds; the ratio pairs each round's side with that round's coupled server.",
+        "medians of the rounds; the ratio pairs each round's side with that round's coupled server. First read: "
+        "a stream's first body bytes after its request was sent (the floors' sides: the producer's first event), "
+        "the median of each round's median; the coupled server's bench engine paces its first output otherwise than the "
+        "simulator does, so compare first reads among the other sides.",
         "",
-        "| side | Envoy | the other process | together | against the coupled server |",
-        "|---|---:|---:|---:|---:|",
+        "| side | Envoy | the other process | together | against the coupled server | first read, ms |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for side in SIDES:
         envoy_part = f"{part(side, 0):.1f}" if side != "coupled" else ""
         other = f"{part(side, 1):.1f}" if len(rows[0][side]) > 1 else ("" if side == "alone" else f"{part(side, 0):.1f}")
         lines.append(f"| {labels[side]} | {envoy_part} | {other} | {statistics.median(total(r, side) for r in rows):.1f} | "
-                     f"{ratio(lambda r, s=side: total(r, s))} |")
+                     f"{ratio(lambda r, s=side: total(r, s))} | {statistics.median(firsts[side]):.1f} |")
     lines += [
         f"| estimate: the filter as Envoy's upstream (relay + filter worker - echo worker) | | | "
-        f"{statistics.median(upstream(r) for r in rows):.1f} | {ratio(upstream)} |",
+        f"{statistics.median(upstream(r) for r in rows):.1f} | {ratio(upstream)} | |",
         "",
         "Every round (us per token: Envoy + the other process):",
         "",

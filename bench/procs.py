@@ -210,6 +210,11 @@ def paced_options(parser, tokens: int | None, rounds: int, rounds_help: str | No
 def streams_cpu(url: str, body: bytes, group: list[Proc], count: int) -> list[float]:
     """``count`` concurrent paced streams at ``url`` (started over a second); the CPU seconds each of
     ``group`` used meanwhile. Raises if any stream did not finish."""
+    return streams_run(url, body, group, count)[0]
+
+
+def streams_run(url: str, body: bytes, group: list[Proc], count: int) -> tuple[list[float], list[float]]:
+    """``streams_cpu``'s CPU seconds, and each stream's time to its first body read (seconds)."""
     import asyncio
 
     import load  # the bench's clients (bench/ is on sys.path for every bench script)
@@ -219,7 +224,7 @@ def streams_cpu(url: str, body: bytes, group: list[Proc], count: int) -> list[fl
     finished = sum(1 for s in done if s.done)
     if finished != count:
         raise RuntimeError(f"{count - finished} of {count} streams at {url} did not finish")
-    return [p.cpu() - b for p, b in zip(group, before, strict=True)]
+    return [p.cpu() - b for p, b in zip(group, before, strict=True)], [s.ttft for s in done if s.ttft is not None]
 
 
 def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
