@@ -5,9 +5,10 @@ filter), and this process does what the filter does, with the filter's own objec
 and its ``ModelExchange`` that the ext_proc servicer drives, built as ``derender serve`` builds them
 (the same flags, parsers, lean path, prefix memo and warm-up). Per request it renders the body
 (``request_body``), posts the rendered request to the producer on a new connection, and writes each
-producer body chunk's translation (``response_chunk``) back to Envoy as an HTTP/1.1 chunk. So a producer event
-costs one read and one write here, as in ``bench/byte_relay.py``, plus the translation, with no ext_proc
-message either way and no gRPC framing.
+producer body chunk's translation (``response_chunk``) back to Envoy as an HTTP/1.1 chunk, from the
+callback that read the chunk (no task woken per event). So a producer event costs one read and one
+write here, as in ``bench/byte_relay.py``, plus the translation, with no ext_proc message either way
+and no gRPC framing. A translation that would wait (a key's budget) is not handled.
 
 What it leaves out, which a product in this position would have to take over from Envoy: balancing
 over producer replicas, retries, health checks, TLS to the producer, the producer leg's spans,
