@@ -44,6 +44,13 @@ def _head(status: int, headers: dict[str, str], chunked: bool, length: int = 0) 
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+def _reply(reply: Any) -> bytes:
+    """An immediate answer (``derender.exchange.Reply``) as HTTP/1.1."""
+    return (
+        _head(reply.status, {"content-type": reply.content_type, **reply.headers}, False, len(reply.body)) + reply.body
+    )
+
+
 class Front(asyncio.Protocol):
     """A connection from Envoy: one request at a time (Envoy does not pipeline)."""
 
@@ -154,25 +161,14 @@ class App:
 
         routed = await self.router.route(headers, not body)
         if isinstance(routed, Reply):
-            front.write(
-                _head(routed.status, {"content-type": routed.content_type, **routed.headers}, False, len(routed.body))
-                + routed.body
-            )
+            front.write(_reply(routed))
             return
         exchange = routed
         try:
             rewrite = await exchange.request_body(body)
             if isinstance(rewrite, Reply):
                 exchange.close(True)
-                front.write(
-                    _head(
-                        rewrite.status,
-                        {"content-type": rewrite.content_type, **rewrite.headers},
-                        False,
-                        len(rewrite.body),
-                    )
-                    + rewrite.body
-                )
+                front.write(_reply(rewrite))
                 return
             sent = {
                 "host": f"{self.host}:{self.port}",
@@ -187,7 +183,7 @@ class App:
             await asyncio.get_running_loop().create_connection(lambda: back, self.host, self.port)
         except HTTPError as exc:  # the client's fault, as the filter answers it
             exchange.close(True)
-            front.write(_head(exc.status, {"content-type": "application/json"}, False, len(exc.body())) + exc.body())
+            front.write(_reply(Reply.error(exc)))
             return
         except BaseException:
             exchange.close(False)
@@ -197,33 +193,24 @@ class App:
             rewrite.then()
 
 
-def load(argv: list[str]) -> tuple[Any, Any]:
-    """The flags of ``derender serve`` and its model, loaded as it loads it (before any event loop:
-    vLLM's setup runs a loop of its own)."""
+def load(argv: list[str]) -> tuple[Any, Any, Any]:
+    """The flags of ``derender serve``, its settings and its model, loaded as it loads it (before any
+    event loop: vLLM's setup runs a loop of its own)."""
     from derender import cli, options
 
     args = cli.build_parser().parse_args(["serve", *argv])
+    process = options.settings(args)
     gc.disable()  # as ``derender serve`` loads the model
-    return args, cli.served(args, options.settings(args))
+    return args, process, cli.served(args, process)
 
 
-async def serve(port: int, args: Any, model: Any) -> None:
-    from derender import options, routeflags
-    from derender.endpoints.router import Router
-    from derender.ops import quota
-    from derender.ops.warmup import warm_up
+async def serve(port: int, args: Any, process: Any, model: Any) -> None:
+    from derender import routeflags
+    from derender.extproc.server import ready_router
     from derender.routing.clusters import producers
 
-    process = options.settings(args)
-    router = Router(
-        model,
-        producers(args.producer.split(","), process.stall_timeout),
-        routeflags.routing_spec(args),
-        quota.configured(process),
-    )
-    for backend in router.backends:
-        if backend.model is not None:
-            await warm_up(backend.model)
+    producer = producers(args.producer.split(","), process.stall_timeout)
+    router = await ready_router(model, producer, routeflags.routing_spec(args), process)
     gc.freeze()
     gc.enable()
     app = App(router, args.producer.split(",")[0])
@@ -238,8 +225,8 @@ def main() -> None:
     parser.add_argument("serve", nargs=argparse.REMAINDER, help="after --: the flags of `derender serve`")
     args = parser.parse_args()
     argv = args.serve[1:] if args.serve[:1] == ["--"] else args.serve
-    serve_args, model = load(argv)
-    uvloop.run(serve(args.port, serve_args, model))
+    serve_args, process, model = load(argv)
+    uvloop.run(serve(args.port, serve_args, process, model))
 
 
 if __name__ == "__main__":

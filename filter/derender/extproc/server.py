@@ -29,8 +29,8 @@ from ..exchange import Reply, ResponseStart, Rewrite
 from ..ops import auth, loopwatch, metrics, quota, tracing
 from ..ops.warmup import warm_up
 from ..routing.balance import ENDPOINT_KEY, ENDPOINT_NAMESPACE, RoutingSpec
-from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, producers
-from ..routing.producer import UPSTREAM_HEADER
+from ..routing.clusters import STEERING_HEADERS, STEERING_PREFIX, ClusterProducers, producers
+from ..routing.producer import UPSTREAM_HEADER, Producer
 from ..settings import Settings
 from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
@@ -242,6 +242,20 @@ class ObservedProcessor(ExternalProcessor):
             observer.close()
 
 
+async def ready_router(
+    model: Model, producer: Producer | ClusterProducers, routing: RoutingSpec | None, settings: Settings
+) -> Router:
+    """What ``serve`` serves: the ``Router`` of ``model`` (or of its backends) producing with
+    ``producer``, with ``routing`` and the settings' budgets, every model warmed up."""
+    router = Router(model, producer, routing, quota.configured(settings))
+    for backend in router.backends:
+        if backend.model is not None:
+            await warm_up(backend.model)
+            if backend.model.prompt_memo is not None and metrics.enabled():
+                backend.model.prompt_memo.observe = metrics.prompt_memo
+    return router
+
+
 async def serve(
     model: Model,
     producer_url: str,
@@ -257,12 +271,7 @@ async def serve(
     listener = listener or Listener()
     settings = settings or Settings()
     producer = producers(producer_url.split(","), settings.stall_timeout)
-    router = Router(model, producer, routing, quota.configured(settings))
-    for backend in router.backends:
-        if backend.model is not None:
-            await warm_up(backend.model)
-            if backend.model.prompt_memo is not None and metrics.enabled():
-                backend.model.prompt_memo.observe = metrics.prompt_memo
+    router = await ready_router(model, producer, routing, settings)
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
     processor = kind(router, auth.ApiKeys(settings.api_keys))
