@@ -1,5 +1,5 @@
 """What the ext_proc round trip per producer event costs: the filter's stack beside its transport
-floors, a prototype of it in Envoy's upstream position and vLLM's coupled server, in one run.
+floors, the filter with its response leg in the worker and vLLM's coupled server, in one run.
 
     .venv/bin/python bench/floors.py [--api chat|messages|responses] [--tokens 250] [--rounds 5] [--out -]
 
@@ -12,9 +12,11 @@ Six sides, all up at once and measured in turn (the order alternating by round),
 - ``echo``: Envoy + ``bench/echo_extproc.py`` (Envoy asks it about every event and it answers with the
   same bytes): the ext_proc transport floor (Envoy + echo);
 - ``filter``: Envoy + ``derender serve`` with the default flags, through ``--api`` (Envoy + filter);
-- ``upstream``: Envoy -> ``bench/upstream_proto.py`` -> the producer, through ``--api``: a prototype of
-  derender as Envoy's upstream, the filter's own exchange translating each event in the response path
-  (Envoy + prototype), with no ext_proc hop;
+- ``leg``: Envoy + ``derender serve --response-leg worker`` with the default flags otherwise, through
+  ``--api``: ext_proc renders, then Envoy sends the request to the worker, which reaches the producer and
+  translates each event in the response path (``derender.extproc.leg``), with no ext_proc message per
+  event (Envoy + filter; until 2026-12-07 evening ``bench/upstream_proto.py``, a prototype of it, in git
+  history);
 - ``coupled``: vLLM's coupled server (``bench/coupled_vllm.py``) through ``--api``.
 
 The floors' producer request is a fixed prompt of token ids (the simulator's script sets the answer,
@@ -22,7 +24,7 @@ as for the three sides asked through ``--api``). Per round, each side's CPU per 
 coupled server's in that round, and the streams' median time to their first body read (comparable among
 the five sides the simulator paces; the coupled server's engine paces its first output otherwise);
 the report has every round and the medians. The last row estimates a
-filter in the upstream position from the others, as the prototype's side measures it: the relay floor
+filter in the upstream position from the others, as the ``leg`` side measures it: the relay floor
 plus what the filter's worker costs over the echo server's (the same translation, without Envoy's
 ext_proc hop or the gRPC framing).
 """
@@ -43,7 +45,7 @@ import procs
 import streams
 from stream_interval import HERMES
 
-SIDES = ("alone", "relay", "echo", "filter", "upstream", "coupled")
+SIDES = ("alone", "relay", "echo", "filter", "leg", "coupled")
 
 
 def cpu_per_token(url: str, body: bytes, group: list[procs.Proc], count: int, tokens: int) -> tuple[list[float], float]:
@@ -70,7 +72,7 @@ def main() -> int:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES]
         server, envoy = procs.start_stack(started, "floors", model_dir, script, serve, args.delay)
         sim_port = int(started[0].argv[started[0].argv.index("--port") + 1])  # start_stack's simulator
-        relay_port, echo_port, proto_port = procs.free_port(), procs.free_port(), procs.free_port()
+        relay_port, echo_port, leg_port = procs.free_port(), procs.free_port(), procs.free_port()
         relay = procs.Proc("floors-relay", [procs.PYTHON, str(BENCH / "byte_relay.py"), "--port", str(relay_port),
                                             "--target-port", str(sim_port)]).start()
         started.append(relay)
@@ -78,16 +80,18 @@ def main() -> int:
         echo = procs.Proc("floors-echo", [procs.PYTHON, str(BENCH / "echo_extproc.py"), "--port", str(echo_port),
                                           "--workers", "1", "--uds", echo_socket]).start()
         started.append(echo)
-        proto = procs.Proc("floors-upstream", [procs.PYTHON, str(BENCH / "upstream_proto.py"), "--port", str(proto_port), "--",
-                                               "--model", model_dir, *serve, "--producer", f"http://127.0.0.1:{sim_port}"]).start()
-        started.append(proto)
+        leg_socket = procs.unix_path("floors-leg")
+        leg = procs.Proc("floors-leg", [procs.PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve,
+                                        "--producer", f"http://127.0.0.1:{sim_port}", "--response-leg", "worker",
+                                        "--port", str(leg_port), "--uds", leg_socket]).start()
+        started.append(leg)
         relay.wait(lambda: procs.tcp_open(relay_port), 60)
         echo.wait(lambda: procs.tcp_open(echo_port), 120)
-        proto.wait(lambda: procs.tcp_open(proto_port), 600)
+        leg.wait(lambda: procs.tcp_open(leg_port), 600)
         envoys = {"alone": procs.start_envoy("floors-envoy-alone", sim_port, None),
                   "relay": procs.start_envoy("floors-envoy-relay", relay_port, None),
                   "echo": procs.start_envoy("floors-envoy-echo", sim_port, echo_port, unix=echo_socket),
-                  "upstream": procs.start_envoy("floors-envoy-upstream", proto_port, None)}
+                  "leg": procs.start_envoy("floors-envoy-leg", sim_port, leg_port, unix=leg_socket, leg=True)}
         for e in envoys.values():
             started.append(e.proc)
             e.proc.wait(lambda e=e: procs.http_ok(f"http://127.0.0.1:{e.admin}/ready"), 60)
@@ -98,7 +102,7 @@ def main() -> int:
             "relay": (envoys["relay"].url + generate_path, generate, [envoys["relay"].proc, relay]),
             "echo": (envoys["echo"].url + generate_path, generate, [envoys["echo"].proc, echo]),
             "filter": (envoy.url + path, api_body, [envoy.proc, server]),
-            "upstream": (envoys["upstream"].url + path, api_body, [envoys["upstream"].proc, proto]),
+            "leg": (envoys["leg"].url + path, api_body, [envoys["leg"].proc, leg]),
             "coupled": (base + path, api_body, [coupled]),
         }
         for url, body, group in sides.values():  # warm-up
@@ -132,11 +136,11 @@ def main() -> int:
         "relay": "Envoy + byte relay (the upstream position's floor)",
         "echo": "Envoy + echo ext_proc (the ext_proc floor)",
         "filter": f"Envoy + derender ({args.api})",
-        "upstream": f"Envoy + derender as Envoy's upstream, the prototype ({args.api})",
+        "leg": f"Envoy + derender, the response leg in the worker ({args.api})",
         "coupled": f"vLLM's coupled server ({args.api})",
     }
     lines = [
-        "# The ext_proc round trip against a byte relay, and derender as Envoy's upstream",
+        "# The ext_proc round trip against a byte relay, and the response leg in the worker",
         "",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, `.venv/bin/python bench/floors.py --api "
         f"{args.api} --streams {args.streams} --tokens {args.tokens} --delay {args.delay} --rounds {args.rounds}`: "

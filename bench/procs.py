@@ -130,11 +130,12 @@ def unix_path(name: str) -> str:
 
 
 def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | None, full_duplex: bool = False,
-               unix: str | None = None) -> str:
+               unix: str | None = None, leg: bool = False) -> str:
     """``envoy/local.yaml`` as ``derender up`` renders it; without the ext_proc filter when
     ``filter_port`` is None (Envoy alone); response bodies FULL_DUPLEX_STREAMED if asked;
     ``STREAMS_PER_CONNECTION`` on the ext_proc cluster; with ``unix``, the ext_proc reached on that
-    Unix socket (``derender up``'s default) instead of ``filter_port``."""
+    Unix socket (``derender up``'s default) instead of ``filter_port``; ``leg``: for a filter serving with
+    ``--response-leg worker`` (``envoy_config.response_leg``)."""
     text = envoy_config.render(
         LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port or 1, PRODUCER_HOST="127.0.0.1", PRODUCER_PORT=producer_port
     )
@@ -153,6 +154,8 @@ def envoy_yaml(listen: int, admin: int, producer_port: int, filter_port: int | N
         mode = ext_proc["typed_config"]["processing_mode"]
         mode["response_body_mode"] = "FULL_DUPLEX_STREAMED"
         mode["response_trailer_mode"] = "SEND"
+    if leg:
+        envoy_config.response_leg(config)
     return yaml.safe_dump(config, sort_keys=False)
 
 
@@ -181,13 +184,13 @@ class Envoy:
 
 
 def start_envoy(name: str, producer_port: int, filter_port: int | None, full_duplex: bool = False,
-                concurrency: int | None = None, unix: str | None = None) -> Envoy:
+                concurrency: int | None = None, unix: str | None = None, leg: bool = False) -> Envoy:
     """Envoy in front of the producer (and the ext_proc at ``filter_port``, or on the Unix socket
     ``unix``), with ``concurrency`` worker threads (default ``ENVOY_CONCURRENCY``)."""
     port, admin = free_port(), free_port()
     path = LOGS / f"{name}-{os.getpid()}.yaml"
     LOGS.mkdir(parents=True, exist_ok=True)
-    path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex, unix))
+    path.write_text(envoy_yaml(port, admin, producer_port, filter_port, full_duplex, unix, leg))
     argv = [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", str(concurrency or ENVOY_CONCURRENCY), "--log-level", "warn", "--disable-hot-restart"]
     proc = Proc(name, argv).start()
     return Envoy(proc, port, admin)

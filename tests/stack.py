@@ -149,10 +149,10 @@ def served_behind_envoy(name: str, model_dir: str, flags: list[str], sim_flags: 
 def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None, **values) -> tuple[Proc, str]:
     """Envoy with ``envoy/local.yaml``; ``more_producers``: further replicas in the producer cluster;
     ``edit``: a function that changes the parsed config before Envoy gets it."""
-    port = free_port()
+    port, admin = free_port(), free_port()
     host, pport = envoy_config.split_url(producer)
     cfg = envoy_config.render(
-        LISTEN_PORT=port, ADMIN_PORT=free_port(), FILTER_PORT=filter_port, PRODUCER_HOST=host, PRODUCER_PORT=pport, **values
+        LISTEN_PORT=port, ADMIN_PORT=admin, FILTER_PORT=filter_port, PRODUCER_HOST=host, PRODUCER_PORT=pport, **values
     )
     if more_producers or edit:
         config = yaml.safe_load(cfg)
@@ -167,9 +167,16 @@ def start_envoy(filter_port: int, producer: str, *more_producers: str, edit=None
     path = Path(tempfile.mkdtemp(prefix="derender-envoy-")) / "envoy.yaml"
     path.write_text(cfg)
     envoy = Proc("envoy", [envoy_config.envoy_binary(), "-c", str(path), "--concurrency", "1", "--log-level", "warn", "--disable-hot-restart"]).start()
+    envoy.admin_port = admin  # type: ignore[attr-defined]
     base = f"http://127.0.0.1:{port}"
     envoy.wait(lambda: http_ok(base + "/health"), 60)
     return envoy, base
+
+
+def envoy_counter(admin_port: int, name: str) -> int:
+    """One of Envoy's counters (``/stats``), 0 if it has none by that name."""
+    text = http_get(f"http://127.0.0.1:{admin_port}/stats?filter=^{name}$")[1].decode()
+    return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0] == name)
 
 
 def start_cluster_envoy(filter_port: int, cluster: dict, tag: str) -> tuple[Proc, str, int]:
@@ -245,14 +252,18 @@ class Stack:
     sim_url: str = ""
     envoy_url: str = ""
     filter_port: int = 0
+    leg: bool = False  # the response leg in the filter's worker (serve --response-leg worker)
 
     def start(self) -> Stack:
         try:
             sim, self.sim_url = start_sim(self.model_dir, *self.sim_flags)
             self.procs.append(sim)
-            flt, self.filter_port = start_filter(["--model", self.model_dir, *self.model_flags], self.sim_url)
+            flags = ["--model", self.model_dir, *self.model_flags, *(["--response-leg", "worker"] if self.leg else [])]
+            flt, self.filter_port = start_filter(flags, self.sim_url)
             self.procs.append(flt)
-            envoy, self.envoy_url = start_envoy(self.filter_port, self.sim_url)
+            envoy, self.envoy_url = start_envoy(
+                self.filter_port, self.sim_url, edit=envoy_config.response_leg if self.leg else None
+            )
             self.procs.append(envoy)
         except Exception:
             self.stop()

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from derender.ops import quota
+from derender.ops import envoy_config, quota
 
 
 from agent_turns import QUESTION, WEATHER_FUNCTION, WEATHER_TOOL, tool_call_answer
@@ -59,7 +59,7 @@ class Fleet:
     file's, and the Responses store's if ``store``)."""
 
     def __init__(self, qwen3_dir: str, redis: Redis, tmp_path_factory, filters: int = 2, store: bool = True,
-                 extra: tuple[str, ...] = (), **more) -> None:
+                 extra: tuple[str, ...] = (), leg: bool = False, **more) -> None:
         self.redis = redis
         self.path = tmp_path_factory.mktemp("quota") / "quota.yaml"
         self.path.write_text(yaml.safe_dump(quota_file(redis.url, **more)))
@@ -74,8 +74,10 @@ class Fleet:
             self.metrics_ports.append(free_port())
             flags = ["--metrics-port", str(self.metrics_ports[-1]), "--quota-config", str(self.path), *keys, *extra]
             self.flags.append(["--model", qwen3_dir, *FLAGS, *flags, *(["--responses-store", redis.url] * store)])
+            if leg:  # the response leg in the worker (test_response_leg_quota.py)
+                self.flags[-1] += ["--response-leg", "worker"]
             flt, port = start_filter(self.flags[-1], self.sim_url)
-            envoy, url = start_envoy(port, self.sim_url)
+            envoy, url = start_envoy(port, self.sim_url, edit=envoy_config.response_leg if leg else None)
             self.procs += [flt, envoy]
             self.ports.append(port)
             self.urls.append(url)

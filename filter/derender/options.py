@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .extproc import listen, scale
+from .extproc import leg, listen, scale
 from .ops import assets
 from .routeflags import add_routing_arguments
 from .settings import Settings
@@ -103,6 +103,8 @@ def settings(args: argparse.Namespace) -> Settings:
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         trace_sample_ratio=getattr(args, "trace_sample_ratio", defaults.trace_sample_ratio),
         quota_config=getattr(args, "quota_config", None),
+        response_leg=getattr(args, "response_leg", None) or defaults.response_leg,
+        leg_host=getattr(args, "leg_host", None) or defaults.leg_host,
     )
 
 
@@ -230,6 +232,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "vLLM's parsers, and sends vLLM's bytes (proven by tests/test_lean.py); 'vllm' runs vLLM's chat "
         "stream generator for every event (default: $DERENDER_STREAM_PATH, else lean)",
     )
+    leg.add_arguments(serve)
     serve.add_argument(
         "--transport",
         choices=("http2", "grpcio"),
@@ -329,6 +332,12 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
         choices=("lean", "vllm"),
         default=None,
         help="the filter's --stream-path (default: its default, lean)",
+    )
+    up.add_argument(
+        "--response-leg",
+        choices=("envoy", "worker"),
+        default="envoy",
+        help="the filter's --response-leg, and Envoy's config for it (default envoy)",
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.add_argument(

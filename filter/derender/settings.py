@@ -40,11 +40,17 @@ class Settings:
     trace_sample_ratio: float = 1.0
     # Token budgets per API key: the quota file (``ops.quota``), None: no limits.
     quota_config: str | None = None
+    # Who reaches the producer and hands the filter its answer: 'envoy' (over ext_proc), or 'worker':
+    # the worker that rendered the request, on a listener of its own at leg_host (``extproc.leg``).
+    response_leg: str = "envoy"
+    leg_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.stream_path not in STREAM_PATHS:
             raise ValueError(f"stream_path must be one of {', '.join(STREAM_PATHS)}, not {self.stream_path!r}")
         if self.transport not in ("http2", "grpcio"):
             raise ValueError(f"transport must be http2 or grpcio, not {self.transport!r}")
+        if self.response_leg not in ("envoy", "worker"):
+            raise ValueError(f"response_leg must be envoy or worker, not {self.response_leg!r}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be between 0 and 1, not {self.trace_sample_ratio!r}")

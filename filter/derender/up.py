@@ -225,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
         keys += flow_flags(args) + handoff_flags(args)
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
+        leg = getattr(args, "response_leg", "envoy") == "worker"
+        if leg:
+            keys += ["--response-leg", "worker"]
         traces = getattr(args, "otlp_traces_endpoint", None)
         if traces:
             keys += ["--otlp-traces-endpoint", traces]
@@ -275,10 +278,12 @@ def run(args: argparse.Namespace) -> int:
             MAX_CONNECTIONS=args.max_connections,
             BODY_LIMIT_BYTES=max(16 << 20, getattr(args, "max_producer_body_bytes", 0)),
         )
-        if traces or len(filter_ports) > 1 or sockets:
+        if traces or len(filter_ports) > 1 or sockets or leg:
             import yaml
 
             parsed = yaml.safe_load(config)
+            if leg:  # requests the filter rewrote go back to its workers (extproc.leg)
+                parsed = envoy_config.response_leg(parsed)
             if traces:  # Envoy's tracer too: its spans are the parents of the filter's
                 parsed = envoy_config.add_tracing(parsed, traces)
             if sockets:

@@ -36,10 +36,12 @@ from ..translate.errors import HTTPError, from_exception
 from ..translate.model import Model
 from . import http2, scale
 from .health import EXT_PROC_SERVICE, Http2Health, add_health
+from .leg.front import LegServer
 from .listen import Listener, hostport, listen_hosts
 from .messages import (
     _BUFFERED_RESPONSE,
     _PASS_RESPONSE,
+    STRIP_REQUEST_HEADERS,
     _body_mutation,
     _error,
     _extend,
@@ -48,18 +50,17 @@ from .messages import (
     body_reply,
     encoded_body_reply,
     immediate,
+    leg_rewrite,
 )
 
 log = logging.getLogger("derender.extproc")
 
-# Headers a client may send that the producer must not see.
-STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
-
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router, keys: auth.ApiKeys | None = None) -> None:
+    def __init__(self, router: Router, keys: auth.ApiKeys | None = None, leg: LegServer | None = None) -> None:
         self.router = router
         self.keys = keys or auth.ApiKeys()  # none: every request passes
+        self.leg = leg  # --response-leg worker: rewritten requests come back to this worker's listener
         self.active = 0
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> None:
@@ -85,6 +86,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         exchange: ModelExchange | None = None
         complete = False
         rewritten = False  # the request went on to a producer
+        handed = False  # the exchange is parked for the worker's leg listener, which closes it
         self.active += 1
         try:
             while True:
@@ -126,6 +128,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         await write(immediate(rewrite.status, rewrite.body, rewrite.content_type, rewrite.headers))
                         return
                     rewritten = True
+                    if self.leg is not None:
+                        token = self.leg.parked.park(exchange, rewrite)
+                        if token is None:
+                            complete = True
+                            await write(_error(exchange.ctx.endpoint.error(HTTPError(503, "the response leg is full"))))
+                            return
+                        handed = True
+                        await write(leg_rewrite(rewrite, token, self.leg.address))
+                        return  # Envoy goes on without this stream; the leg answers
                     await write(self._request_rewrite(rewrite))
                     if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
                         rewrite.then()
@@ -173,7 +184,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             self.active -= 1
-            if exchange is not None:
+            if exchange is not None and not handed:
                 exchange.close(complete)
 
     @staticmethod
@@ -274,7 +285,11 @@ async def serve(
     router = await ready_router(model, producer, routing, settings)
     # Without a metrics port nobody reads the per-message timings: skip their cost on every message.
     kind = ObservedProcessor if metrics.enabled() else ExternalProcessor
-    processor = kind(router, auth.ApiKeys(settings.api_keys))
+    leg = None
+    if settings.response_leg == "worker":
+        leg = LegServer(producer_url, settings.leg_host, on_defence=metrics.defence)
+        await leg.start()
+    processor = kind(router, auth.ApiKeys(settings.api_keys), leg=leg)
     hosts = listen_hosts(host)
     address = ", ".join(hostport(h, port) for h in hosts)
     if settings.transport == "http2":
@@ -335,6 +350,8 @@ async def serve(
             if task is not None:
                 task.cancel()
         await server.stop(grace=2)
+        if leg is not None:
+            await leg.close()
         for kv in feeds:
             await kv.stop()
         for reported in signals:
@@ -378,4 +395,6 @@ async def _until_terminated(server: grpc.aio.Server, health, processor: External
     await health.enter_graceful_shutdown()  # NOT_SERVING to health checks
     started = time.monotonic()
     await server.stop(grace=drain)
+    if processor.leg is not None:  # the answers the worker's leg carries
+        await processor.leg.drain(drain - (time.monotonic() - started))
     log.info("drained in %.1f s", time.monotonic() - started)

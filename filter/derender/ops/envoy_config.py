@@ -216,3 +216,51 @@ def add_tracing(config: dict, endpoint: str, service: str = "envoy", sampling: f
         }
     )
     return config
+
+
+# extproc.leg's header names (tests/test_response_leg.py holds them equal; ops sits below extproc)
+LEG_HEADER, WORKER_HEADER = "x-derender-leg", "x-derender-worker"
+
+
+def response_leg(config: dict) -> dict:
+    """``config`` (a parsed Envoy config) for ``derender serve --response-leg worker``: a request the
+    filter rewrote with ``LEG_HEADER`` goes to the worker that rendered it, at the address in
+    ``WORKER_HEADER`` (an ``ORIGINAL_DST`` cluster, ``derender_leg``; both headers are the filter's own,
+    a client's copies are stripped), and ext_proc sees no response. Envoy's pool lets an idle
+    connection to a worker go after 30 s, before the worker's listener would (``extproc.leg.front``)."""
+    config["static_resources"]["clusters"].append(
+        {
+            "name": "derender_leg",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "1s",
+            "cleanup_interval": "60s",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": WORKER_HEADER},
+            "circuit_breakers": {
+                "thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}]
+            },
+            "typed_extension_protocol_options": {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "common_http_protocol_options": {"idle_timeout": "30s"},
+                    "explicit_http_config": {"http_protocol_options": {}},
+                }
+            },
+        }
+    )
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener.get("filter_chains", ()):
+            for f in chain.get("filters", ()):
+                if f.get("name") != "envoy.filters.network.http_connection_manager":
+                    continue
+                manager = f["typed_config"]
+                for host in manager.get("route_config", {}).get("virtual_hosts", ()):
+                    idle = next((r["route"].get("idle_timeout") for r in host["routes"] if "route" in r), None)
+                    leg = {"cluster": "derender_leg", "timeout": "0s", **({"idle_timeout": idle} if idle else {})}
+                    match = {"prefix": "/", "headers": [{"name": LEG_HEADER, "present_match": True}]}
+                    host["routes"].insert(0, {"match": match, "route": leg})
+                for http_filter in manager.get("http_filters", ()):
+                    if http_filter.get("name") == "envoy.filters.http.ext_proc":
+                        mode = http_filter["typed_config"]["processing_mode"]
+                        mode.update(response_header_mode="SKIP", response_body_mode="NONE")
+    return config

@@ -1,0 +1,399 @@
+"""One parked exchange's producer request, and its answer translated as it is read (``Leg``).
+
+The rendered request goes to the producer on a connection of its own (``connection: close``), with
+the headers Envoy brought (the client's, less what the filter strips, plus the filter's own). The
+answer's headers go through ``response_headers`` and come back to Envoy as HTTP/1.1, chunked when the
+answer streams. Each body chunk is translated from the callback that read it: ``response_chunk``
+is stepped by hand, and only a translation that waits (a key's budget holding the answer, a render
+tier's call) becomes a task, while the producer's reading pauses and later chunks queue behind it.
+A buffered answer (an error, a non-streaming one) is collected and answered whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import types
+from collections.abc import Callable, Coroutine
+from http import HTTPStatus
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+from ...routing.producer import replica_url
+from . import LEG_HEADER, WORKER_HEADER
+from .parked import Entry
+
+log = logging.getLogger("derender.leg")
+
+CONNECT_TIMEOUT = 5.0  # seconds to reach the producer (Envoy's producer cluster: 2 s, then a retry)
+MAX_BUFFERED = 16 << 20  # a buffered answer's bytes (Envoy's per-connection buffer in the shipped configs)
+MAX_ANSWER_HEAD = 64 << 10  # the producer's response headers
+HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+        b"host", b"content-length", b"expect", LEG_HEADER.encode(), WORKER_HEADER.encode(),
+    }
+)  # fmt: skip
+SENT = HOP | {b"content-type"}  # the rendered request is the filter's JSON, whatever the client's body was
+
+
+class Front(Protocol):
+    """What a leg needs of Envoy's connection (``front.Front``)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def finish(self) -> None:
+        """The answer is whole: the connection takes Envoy's next request."""
+        ...
+
+    def abort(self) -> None:
+        """Break the connection off (Envoy resets the client's stream)."""
+        ...
+
+
+class Target:
+    """Where producer requests go: ``--producer``'s URL, or a replica routing named (``IP:PORT``)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        self.url = url
+        self.host = parts.hostname or "127.0.0.1"
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self._ssl = ssl.create_default_context() if self.tls else None
+
+    def address(self, destination: str | None) -> tuple[str, int, ssl.SSLContext | None, str]:
+        """(host, port, TLS, Host header) for a request whose routing chose ``destination``."""
+        named = replica_url(self.url, destination)
+        if named is not None:
+            parts = urlsplit(named)
+            return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
+        return self.host, self.port, self._ssl, urlsplit(self.url if "://" in self.url else "http://" + self.url).netloc
+
+
+@types.coroutine
+def _rest(coro: Coroutine[Any, Any, Any], yielded: Any):
+    """The rest of ``coro``, started by hand, which yielded ``yielded``: a task runs it on from there."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except asyncio.CancelledError as exc:  # the only exception a task throws in
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as done:
+                return done.value
+
+
+async def _finish(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
+    return await _rest(coro, yielded)
+
+
+def head(status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> bytes:
+    """An HTTP/1.1 response head; ``length`` None: chunked."""
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b"Status"
+    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
+    lines += [name + b": " + value for name, value in headers]
+    lines.append(b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+
+
+class Leg:
+    """The producer leg of one request, from the parked exchange to the last byte Envoy gets."""
+
+    def __init__(self, entry: Entry, front: Front, headers: list[tuple[bytes, bytes]], path: bytes, target: Target,
+                 on_done: Callable[[Leg], None]) -> None:  # fmt: skip
+        self.exchange = entry.exchange
+        self.rewrite = entry.rewrite
+        self.front = front
+        self.target = target
+        self.on_done = on_done
+        self.host, self.port, self.ssl, authority = target.address(self.rewrite.destination)
+        self.upstream = f"{self.host}:{self.port}"
+        sent = [(k, v) for k, v in headers if k.lower() not in SENT]
+        body = self.rewrite.body
+        lines = [b"POST " + path + b" HTTP/1.1", b"host: " + authority.encode("latin-1")]
+        lines += [k + b": " + v for k, v in sent]
+        lines += [b"content-type: application/json", b"content-length: %d" % len(body), b"connection: close"]
+        self.request = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.answer_headers: list[tuple[bytes, bytes]] = []
+        self.answer_bytes = 0
+        self.status = 0
+        self.started = False  # the response head went to Envoy
+        self.buffered: list[bytes] | None = None  # a buffered answer's body so far
+        self._start_set: dict[str, str] = {}  # a buffered answer's header changes (``ResponseStart``)
+        self._start_removed: list[str] = []
+        self.answered = False  # the producer's answer was read to its end
+        self.over = False  # closed: the exchange is closed and the front told
+        self._connecting: asyncio.Task | None = None
+        self._waiting: asyncio.Task | None = None  # a translation that waits
+        self._queue: list[tuple[bytes, bool]] = []  # chunks read while it waits
+        self._holds: set[str] = set()  # why the producer's reading is paused
+
+    # -- the producer connection ----------------------------------------------------------------
+    def start(self) -> None:
+        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
+                                       server_hostname=self.host if self.ssl else None),
+                CONNECT_TIMEOUT,
+            )  # fmt: skip
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
+            if not self.over:
+                why = "connection timeout" if isinstance(exc, asyncio.TimeoutError) else f"connection failure: {exc}"
+                log.warning("producer %s unreachable: %s", self.upstream, why)
+                self._answer_failure(
+                    503, f"upstream connect error or disconnect/reset before headers. reset reason: {why}"
+                )
+
+    def connected(self, transport: asyncio.Transport) -> None:
+        if self.over:
+            transport.close()
+            return
+        self.transport = transport
+        transport.write(self.request)
+        if self._holds:
+            transport.pause_reading()
+        then = self.rewrite.then
+        if then is not None:  # sent: the producer is at work
+            then()
+
+    def read(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:  # raised in a callback below
+            cause = exc.__context__
+            if isinstance(cause, httptools.HttpParserError):  # a limit of ours
+                self._broke(str(cause))
+            else:
+                log.error("the producer's answer could not be handed on", exc_info=cause)
+                self._break_off()
+        except httptools.HttpParserError as exc:
+            self._broke(f"a malformed producer response ({exc})")
+
+    def lost(self) -> None:
+        """The producer's connection closed."""
+        self.transport = None
+        if not self.over and not self.answered:
+            self._broke("the producer closed the connection")
+
+    # -- httptools' callbacks ----------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.answer_bytes += len(name) + len(value)
+        if self.answer_bytes > MAX_ANSWER_HEAD:
+            raise httptools.HttpParserError("response headers too large")
+        self.answer_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        start = self.exchange.response_headers(self.status, self.upstream)
+        if start.buffer:
+            self.buffered = []
+            self.answer_bytes = 0
+            self._start_set, self._start_removed = start.set_headers, start.remove_headers
+            return
+        self.front.write(head(self.status, self._merged(start.set_headers, start.remove_headers), None))
+        self.started = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.buffered is not None:
+            self.answer_bytes += len(body)
+            if self.answer_bytes > MAX_BUFFERED:
+                raise httptools.HttpParserError(f"a buffered answer over {MAX_BUFFERED} bytes")
+            self.buffered.append(body)
+        else:
+            self._translate(body, False)
+
+    def on_message_complete(self) -> None:
+        self.answered = True
+        if self.buffered is not None:
+            body, self.buffered = b"".join(self.buffered), None
+            self._whole(body)
+        else:
+            self._translate(b"", True)
+
+    # -- the answer ----------------------------------------------------------------------------
+    def _merged(self, set_headers: dict[str, str], removed: list[str]) -> list[tuple[bytes, bytes]]:
+        drop = {n.lower().encode() for n in (*removed, *set_headers)}
+        kept = [(k, v) for k, v in self.answer_headers if k.lower() not in HOP and k.lower() not in drop]
+        return kept + [(k.encode("latin-1"), v.encode("latin-1")) for k, v in set_headers.items()]
+
+    def _translate(self, data: bytes, end: bool) -> None:
+        if self._waiting is not None:
+            self._queue.append((data, end))
+            return
+        coro = self.exchange.response_chunk(data, end)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as done:
+            self._emit(done.value, end)
+            return
+        except Exception:
+            log.exception("a response chunk's translation failed")
+            self._break_off()
+            return
+        self._hold("translation")
+        self._waiting = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+        self._waiting.add_done_callback(lambda task: self._waited(task, end))
+
+    def _waited(self, task: asyncio.Task, end: bool) -> None:
+        self._waiting = None
+        if self.over or task.cancelled():
+            return
+        try:
+            out = task.result()
+        except Exception:
+            log.exception("a response chunk's translation failed")
+            self._break_off()
+            return
+        self._emit(out, end)
+        while self._queue and self._waiting is None and not self.over:
+            data, end = self._queue.pop(0)
+            self._translate(data, end)
+        if self._waiting is None:
+            self._release("translation")
+
+    def _emit(self, out: bytes, end: bool) -> None:
+        if self.over:
+            return
+        if not end:
+            if out:
+                self.front.write(chunk(out))
+            return
+        self.front.write(chunk(out) + b"0\r\n\r\n")
+        self._done(True)
+
+    def _whole(self, body: bytes) -> None:
+        """A buffered answer: the exchange's body for it, answered with its length."""
+
+        async def answer() -> None:
+            out, status = await self.exchange.response_body(body)
+            if self.over:
+                return
+            headers = self._merged(self._start_set, self._start_removed)
+            self.front.write(head(status or self.status, headers, len(out)) + out)
+            self._done(True)
+
+        self._hold("translation")
+        task = asyncio.get_running_loop().create_task(answer())
+        self._waiting = task
+
+        def answered(t: asyncio.Task) -> None:
+            self._waiting = None
+            if not t.cancelled() and t.exception() is not None:
+                log.error("a buffered answer's translation failed", exc_info=t.exception())
+                self._break_off()
+
+        task.add_done_callback(answered)
+
+    def _answer_failure(self, status: int, message: str) -> None:
+        """No answer from the producer: Envoy's own words for it, as the exchange answers a producer's error."""
+        self.answer_headers = [(b"content-type", b"application/json")]
+        self.status = status
+        start = self.exchange.response_headers(status, None)
+        self._start_set, self._start_removed = start.set_headers, start.remove_headers
+        body = json.dumps({"error": {"message": message, "type": "ServiceUnavailableError", "code": status}}).encode()
+        if start.buffer:
+            self._whole(body)
+            return
+        self.front.write(head(status, self._merged(start.set_headers, start.remove_headers), None))
+        self.started = True
+        self._translate(body, False)
+        self._translate(b"", True)
+
+    def _broke(self, why: str) -> None:
+        """The producer's answer broke off: before its head, the client gets a 502 in its API's shape;
+        after it, the stream is cut, as Envoy cuts a client's stream when its upstream resets."""
+        if self.over:
+            return
+        log.warning("producer %s: %s", self.upstream, why)
+        if self.status == 0 and self.buffered is None:
+            if self.transport is not None:
+                self.transport.close()
+            self._answer_failure(502, f"upstream connect error or disconnect/reset before headers. reset reason: {why}")
+            return
+        self._break_off()
+
+    def _break_off(self) -> None:
+        if self.over:
+            return
+        self.front.abort()
+        self._done(False)
+
+    # -- flow ------------------------------------------------------------------------------------
+    def _hold(self, why: str) -> None:
+        if not self._holds and self.transport is not None:
+            self.transport.pause_reading()
+        self._holds.add(why)
+
+    def _release(self, why: str) -> None:
+        self._holds.discard(why)
+        if not self._holds and self.transport is not None and not self.over:
+            self.transport.resume_reading()
+
+    def pause(self) -> None:
+        """Envoy's connection is full: read no more from the producer until it drains."""
+        self._hold("front")
+
+    def resume(self) -> None:
+        self._release("front")
+
+    def client_gone(self) -> None:
+        """Envoy's connection closed before the answer was whole: the client left, or Envoy gave up."""
+        self._done(False)
+
+    def _done(self, complete: bool) -> None:
+        if self.over:
+            return
+        self.over = True
+        for task in (self._connecting, self._waiting):
+            if task is not None and not task.done():
+                task.cancel()
+        if self.transport is not None:
+            self.transport.close()
+        try:
+            self.exchange.close(complete)
+        finally:
+            if complete:
+                self.front.finish()
+            self.on_done(self)
+
+
+class _Conn(asyncio.Protocol):
+    """The producer's connection, for its leg."""
+
+    def __init__(self, leg: Leg) -> None:
+        self.leg = leg
+
+    def connection_made(self, transport: Any) -> None:
+        self.leg.connected(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.leg.read(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.leg.lost()
