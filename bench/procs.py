@@ -246,7 +246,7 @@ def reasoning_script(name: str, tokens: int) -> tuple[str, Path]:
 def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, serve_args: list[str], delay: float,
                 env: dict[str, str] | None = None, sim: list[str] | None = None,
                 lockstep: bool = False, server: list[str] | None = None,
-                envoy_concurrency: int | None = None, unix: bool = True) -> tuple[Proc, Envoy]:
+                envoy_concurrency: int | None = None, unix: bool = True, leg: bool = False) -> tuple[Proc, Envoy]:
     """A paced benchmark's processes on loopback, each appended to ``started`` as it starts (for the
     caller's ``finally``): a simulator in script mode (``sim``: its program, default ``derender sim``)
     sending ``script``'s tokens one event every ``delay`` seconds, a filter (``derender serve --model
@@ -254,19 +254,20 @@ def start_stack(started: list[Proc], name: str, model_dir: str, script: Path, se
     only ``--port``) producing from it, and Envoy in front (``envoy_concurrency`` threads). Returns the
     ext_proc server and Envoy, both ready. ``lockstep``: every stream's event at the same step
     (``derender sim --lockstep``), as one GPU decodes its batch. ``unix``: Envoy reaches the ext_proc
-    server on a Unix socket (``--uds``), as ``derender up`` does by default; else on its TCP port."""
+    server on a Unix socket (``--uds``), as ``derender up`` does by default; else on its TCP port. ``leg``:
+    the filter serves with ``--response-leg worker`` and Envoy has the config for it."""
     sim_port, port = free_port(), free_port()
     producer = Proc(f"{name}-sim", [*(sim or [PYTHON, "-m", "derender.cli", "sim"]), "--model", model_dir, "--port",
                                     str(sim_port), "--mode", "script", "--script", str(script)]).start()
     started.append(producer)
     argv = server or [PYTHON, "-m", "derender.cli", "serve", "--model", model_dir, *serve_args,
-                      "--producer", f"http://127.0.0.1:{sim_port}"]
+                      "--producer", f"http://127.0.0.1:{sim_port}", *(["--response-leg", "worker"] if leg else [])]
     uds = unix_path(f"{name}-filter") if unix else None
     ext_proc = Proc(f"{name}-filter", [*argv, "--port", str(port), *(["--uds", uds] if uds else [])], env=env).start()
     started.append(ext_proc)
     producer.wait(lambda: http_ok(f"http://127.0.0.1:{sim_port}/health"), 120)
     ext_proc.wait(lambda: tcp_open(port), 600)
-    envoy = start_envoy(f"{name}-envoy", sim_port, port, concurrency=envoy_concurrency, unix=uds)
+    envoy = start_envoy(f"{name}-envoy", sim_port, port, concurrency=envoy_concurrency, unix=uds, leg=leg)
     started.append(envoy.proc)
     envoy.proc.wait(lambda: http_ok(f"http://127.0.0.1:{envoy.admin}/ready"), 60)
     post(f"http://127.0.0.1:{sim_port}/sim/config", {"delay": delay, "lockstep": lockstep})

@@ -80,6 +80,7 @@ def main() -> int:
     parser.add_argument("--stream-path", choices=("lean", "vllm"), default="lean")
     parser.add_argument("--api", choices=["chat", "messages", "responses"], default="chat",
                         help="which API the streams are asked through (default chat)")
+    parser.add_argument("--response-leg", choices=("envoy", "worker"), default="envoy", help="the filter's --response-leg")
     parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too (uvloop, the tokenizer); it pauses the worker for each sample")
     parser.add_argument("--out", default=str(BENCH / "PROFILE_PACED.md"), help="the report ('-': stdout only)")
     args = parser.parse_args()
@@ -93,7 +94,8 @@ def main() -> int:
     try:
         serve = ["--served-model-name", "qwen3", "--max-model-len", "40960", *HERMES, "--stream-path", args.stream_path,
                  "--workers", "1"]
-        server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay)
+        server, envoy = procs.start_stack(started, "profiled", model_dir, script, serve, args.delay,
+                                          leg=args.response_leg == "worker")
         body = streams.api_body(args.api)
         url = envoy.url + streams.API_PATHS[args.api]
         asyncio.run(load.streams(url, body, args.streams, args.streams, ramp=1.0))  # warm-up

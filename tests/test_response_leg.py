@@ -22,7 +22,7 @@ import pytest
 import test_chat_e2e
 import test_messages
 import test_responses
-from stack import Stack, envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
+from stack import Stack, envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
 
 from derender.extproc import leg as leg_package
 from derender.extproc.leg import front
@@ -178,11 +178,12 @@ class Listener:
         await self.producer.close()
 
     async def park(self, stream: bool = True, text: str = "hi") -> tuple[str, object]:
-        """A rendered chat request parked as ext_proc parks it: (its token, its exchange)."""
+        """A rendered chat request handed to the leg as ext_proc hands it (its producer request goes out
+        now): (its token, its exchange)."""
         routed = await self.router.route({":method": "POST", ":path": "/v1/chat/completions"}, False)
         body = {"model": "qwen3", "messages": [{"role": "user", "content": text}], "stream": stream, "max_tokens": 8}
         rewrite = await routed.request_body(json.dumps(body).encode())
-        token = self.server.parked.park(routed, rewrite)
+        token = self.server.hand(routed, rewrite)
         assert token is not None
         return token, routed
 
@@ -230,21 +231,26 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_leg_listener_refuses_what_envoy_never_sends(model, producer, case):
-    """Each answered in OpenAI's shape and the connection closed; the defence counted; nothing reaches
-    the producer for it."""
+    """Each answered in OpenAI's shape and the connection closed; the defence counted; no producer
+    request comes of it (the parked request's own went out when it was handed over)."""
     make, status, defence = CASES[case]
+
+    def received() -> int:
+        return json.loads(http_get(producer + "/sim/stats")[1])["received"]
 
     async def run() -> None:
         async with Listener(model, producer) as listener:
+            before = received()
             token, _ = await listener.park()
+            await until(lambda: received() == before + 1, "the parked request's producer request")
             answer = await listener.send(make(token))
             assert status_of(answer) == status, answer[:300]
             assert error_of(answer)["code"] == status
             assert listener.defences == [defence]
+            await asyncio.sleep(0.2)
+            assert received() == before + 1
 
-    before = json.loads(http_get(producer + "/sim/stats")[1])["received"]
     asyncio.run(run())
-    assert json.loads(http_get(producer + "/sim/stats")[1])["received"] == before
 
 
 def test_a_token_serves_once(model, producer):
@@ -262,9 +268,9 @@ def test_a_token_serves_once(model, producer):
 
 
 def test_a_body_over_the_limit_is_refused_and_its_producer_request_aborted(model, producer):
-    """A token with a body (Envoy sends none: the rendered request is parked): 413, and the exchange
-    closed as a request nobody answered, so its producer request is aborted, as the coupled server
-    aborts a request whose client left."""
+    """A token with a body (Envoy sends none: the rendered request went to the producer from the worker):
+    413, and the exchange closed as a request whose client left, so its producer request is aborted,
+    as the coupled server aborts it."""
 
     async def run() -> str:
         async with Listener(model, producer) as listener:
@@ -371,7 +377,9 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
             sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
             assert sets["x-derender-worker"] == listener.server.address and sets["content-length"] == "0"
             assert common.body_mutation.clear_body and common.clear_route_cache
-            assert listener.server.parked.take(sets["x-derender-leg"]) is not None
+            leg = listener.server.parked.take(sets["x-derender-leg"])
+            assert leg is not None
+            leg.client_gone()
             listener.server.parked.most = 0
             _, refused = await stream(processor)
             assert refused.immediate_response.status.code == 503

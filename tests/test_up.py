@@ -100,6 +100,48 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
             up.kill()
 
 
+def test_up_with_the_response_leg_in_two_workers(qwen3_dir, qwen3_tokenizer):
+    """``up --response-leg worker`` as the README shows it, with two workers: each worker's leg listener
+    answers the requests it rendered (Envoy's ORIGINAL_DST cluster reaches the one its rewrite names),
+    and the producer is reached by the workers themselves (``connection: close`` is theirs, not Envoy's)."""
+    import concurrent.futures
+
+    sim, producer = start_sim(qwen3_dir)  # echo mode
+    port = free_port()
+    LOGS.mkdir(parents=True, exist_ok=True)
+    log = open(LOGS / f"up-leg-{os.getpid()}.log", "w+")
+    up = subprocess.Popen(
+        [str(BIN / "derender"), "up", "--model", qwen3_dir, "--served-model-name", "qwen3", "--producer", producer,
+         "--port", str(port), "--response-leg", "worker", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    try:
+        ready = up.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in ready, (ready, log.seek(0) or log.read()[-3000:])
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+        def ask(i: int) -> str:
+            message = f"worker leg {i}: 你好 🤖"
+            stream = client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": message}], stream=True)
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            assert text == qwen3_tokenizer.decode(qwen3_tokenizer.encode(message, add_special_tokens=False).ids)
+            return text
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert len(list(pool.map(ask, range(16)))) == 16
+        log.seek(0)
+        assert log.read().count("response leg listening on 127.0.0.1:") == 2  # one listener a worker
+        with urllib.request.urlopen(producer + "/sim/headers", timeout=10) as r:
+            seen = json.loads(r.read())
+        assert seen and all({k.lower(): v for k, v in h.items()}.get("connection") == "close" for h in seen[-16:])
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+        sim.stop()
+
+
 def test_up_stops_every_child_however_often_it_is_signalled(qwen3_dir):  # (qwen3_dir: fetched)
     """A double Ctrl-C, or SIGTERM from make and a supervisor at once: signals that arrive while
     `derender up` is already stopping its children must not break off the stop path. Started as

@@ -33,6 +33,10 @@ class Reply:
         return cls(exc.status, exc.body(), headers=headers or {})
 
 
+# Headers a client may send that the producer must not see: a rewrite drops them.
+STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
+
+
 @dataclass
 class Rewrite:
     """What the request becomes on its way to the producer."""

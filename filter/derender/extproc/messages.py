@@ -13,12 +13,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from ..exchange import Rewrite
+from ..exchange import STRIP_REQUEST_HEADERS, Rewrite
 from ..translate.errors import HTTPError
 from .leg import LEG_HEADER, WORKER_HEADER
-
-# Headers a client may send that the producer must not see.
-STRIP_REQUEST_HEADERS = ("authorization", "cookie", "proxy-authorization", "x-api-key")
 
 
 def _response_body_only(mode: int) -> processing_mode_pb2.ProcessingMode:

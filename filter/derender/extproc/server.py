@@ -86,7 +86,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         exchange: ModelExchange | None = None
         complete = False
         rewritten = False  # the request went on to a producer
-        handed = False  # the exchange is parked for the worker's leg listener, which closes it
+        handed = False  # the exchange is the worker's leg's from here (``extproc.leg``), which closes it
         self.active += 1
         try:
             while True:
@@ -129,7 +129,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     rewritten = True
                     if self.leg is not None:
-                        token = self.leg.parked.park(exchange, rewrite)
+                        token = self.leg.hand(exchange, rewrite)
                         if token is None:
                             complete = True
                             await write(_error(exchange.ctx.endpoint.error(HTTPError(503, "the response leg is full"))))

@@ -4,20 +4,21 @@ With the default response leg (``envoy``) Envoy reaches the producer and hands e
 chunk to the filter over ext_proc, and takes its translation back: two gRPC messages per producer
 event, and Envoy's ext_proc client on both. With ``worker``, ext_proc does what happens once per
 request as before (the render, routing, budgets, flow control, errors in the client's shape), then
-parks the exchange in the worker that rendered it (``parked``) and ends its ext_proc stream. Envoy
-routes the rewritten request to that worker (an ``ORIGINAL_DST`` cluster addressed by a header only the
-filter sets, ``WORKER_HEADER``; the exchange named by ``LEG_HEADER``, a one-time token). The worker's
-listener (``front``) takes it, sends the rendered request to the producer itself (``producer``), and
-writes each event's translation to Envoy from the callback that read it: one read and one write per
-event, no ext_proc message (docs/performance.md, "The response leg in the worker").
+hands the exchange to the worker's leg (``front.LegServer.hand``), which sends the rendered request to
+the producer at once, parks it under a one-time token (``parked``) and ends the ext_proc stream. Envoy
+routes the rewritten request (no body) to that worker: an ``ORIGINAL_DST`` cluster addressed by a
+header only the filter sets (``WORKER_HEADER``), the token in ``LEG_HEADER``. The worker's listener
+(``front``) takes the leg by its token, and from then on the producer's answer is read and each
+event's translation written to Envoy from the callback that read it (``producer``): one read and one
+write per event, no ext_proc message (docs/performance.md, "The response leg in the worker").
 
 What Envoy does on the producer leg in the default mode this mode does itself, for now with one
-producer address (a Kubernetes Service or a DNS name balances behind it) or the replica precise
-routing names: the connection, its timeout, aborting the producer request when the client goes
-(the exchange's own abort, and the connection closed), the stall watch (the exchange's), and errors
-in the client's shape when the producer cannot be reached or breaks off. Not yet: several producer
-URLs balanced here, consistent-hash routing (prefix), the prefill/decode handoff, several models
-(``--config``): ``cli`` refuses those with this mode.
+producer address (a Kubernetes Service or a DNS name balances behind it) or the replica routing
+names: the connection, its timeout, aborting the producer request when the client goes (the
+exchange's own abort, and the connection closed), the stall watch (the exchange's), and errors in the
+client's shape when the producer cannot be reached or breaks off. Not yet: several producer URLs
+balanced here, consistent-hash routing (prefix), the prefill/decode handoff, several models
+(``--config``), the render tier: ``cli`` refuses those with this mode.
 """
 
 import argparse

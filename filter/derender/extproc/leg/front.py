@@ -1,4 +1,7 @@
-"""The worker's leg listener: Envoy's HTTP/1.1 requests for the exchanges this worker parked.
+"""The worker's leg listener: Envoy's HTTP/1.1 requests for the requests this worker rendered.
+
+``LegServer.hand`` starts a rendered request's producer leg (``producer.Leg``) and parks it under a
+one-time token for Envoy to bring; ``Front`` is Envoy's connection, which takes it by that token.
 
 Only Envoy has a reason to connect, and only with a token ext_proc just handed it; everything else is
 refused at once with an error in OpenAI's shape, and the connection closed. The bounds, per worker:
@@ -6,7 +9,7 @@ a new connection's first request must begin within ``FIRST_REQUEST`` seconds (En
 has one to send) and a kept-alive one's next within ``IDLE`` (Envoy's pool lets its idle connections go
 sooner: ``envoy_config.response_leg``); a request's head and body within ``HEAD_TIMEOUT``; the head at
 most ``MAX_HEAD`` bytes and ``MAX_HEADERS`` lines (431), the body ``MAX_BODY`` (413: ext_proc sends it
-empty, the rendered request is parked with the exchange), POST only (405), one request at a time,
+empty, the rendered request went to the producer from here), POST only (405), one request at a time,
 ``MAX_CONNECTIONS`` connections (past it a new one is closed). Each defence that acts is counted
 (``derender_defences_total``, as the ext_proc port's are).
 """
@@ -21,11 +24,13 @@ from typing import Any
 
 import httptools
 
+from ...exchange import Rewrite
 from ...translate.errors import HTTPError
 from ..listen import hostport
 from . import LEG_HEADER
-from .parked import Entry, Parked
-from .producer import Leg, Target, head
+from .parked import Parked
+from .producer import Leg
+from .wire import Target, head
 
 log = logging.getLogger("derender.leg")
 
@@ -68,18 +73,27 @@ class LegServer:
         log.info("response leg listening on %s", self.address)
         return self.address
 
+    def hand(self, exchange: Any, rewrite: Rewrite) -> str | None:
+        """Start ``exchange``'s producer leg and park it for Envoy: its token, or None when too many wait."""
+        if self.parked.full:
+            return None
+        leg = Leg(exchange, rewrite, exchange.ctx.headers, self.target, self.leg_done)
+        self.legs.add(leg)
+        leg.start()
+        return self.parked.park(leg)
+
     def defence(self, name: str) -> None:
         if self.on_defence is not None:
             self.on_defence(name)
 
     def leg_done(self, leg: Leg) -> None:
         self.legs.discard(leg)
-        if self._quiet is not None and not self.legs and not len(self.parked):
+        if self._quiet is not None and not self.legs:
             self._quiet.set()
 
     async def drain(self, seconds: float) -> None:
         """Until the answers under way are whole, or ``seconds`` have passed."""
-        if not self.legs and not len(self.parked):
+        if not self.legs:
             return
         self._quiet = asyncio.Event()
         with contextlib.suppress(asyncio.TimeoutError):
@@ -102,7 +116,7 @@ class Front(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.timer: asyncio.TimerHandle | None = None
         self.leg: Leg | None = None
-        self.entry: Entry | None = None
+        self.taken: Leg | None = None  # its request's leg, taken by the token, until its body is read
         self._reset()
 
     def _reset(self) -> None:
@@ -167,9 +181,9 @@ class Front(asyncio.Protocol):
         leg, self.leg = self.leg, None
         if leg is not None:
             leg.client_gone()
-        elif self.entry is not None:  # taken, never started: its body did not come whole
-            self.entry.exchange.close(False)
-            self.entry = None
+        elif self.taken is not None:  # its request's body did not come whole
+            self.taken.client_gone()
+            self.taken = None
 
     # -- what a leg asks (``producer.Front``) ----------------------------------------------------
     def write(self, data: bytes) -> None:
@@ -178,7 +192,6 @@ class Front(asyncio.Protocol):
 
     def finish(self) -> None:
         self.leg = None
-        self.entry = None
         if not self.parser.should_keep_alive():
             self.transport.close()
             return
@@ -213,33 +226,33 @@ class Front(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.parser.get_method() != b"POST":
             raise _Refused(405, "POST only", "leg_method")
-        entry = self.server.parked.take(self.token.decode("latin-1")) if self.token else None
-        if entry is None:
+        leg = self.server.parked.take(self.token.decode("latin-1")) if self.token else None
+        if leg is None:
             raise _Refused(503, "no rendered request waits under this token: it expired, or none was handed out",
                            "leg_token")  # fmt: skip
-        self.entry = entry
+        self.taken = leg  # type: ignore[assignment]  # parked: only legs
 
     def on_body(self, body: bytes) -> None:
         self.body_bytes += len(body)
         if self.body_bytes > MAX_BODY:
-            raise _Refused(413, f"a body over {MAX_BODY} bytes (the rendered request is parked, not sent)", "leg_body")
+            raise _Refused(
+                413, f"a body over {MAX_BODY} bytes (the rendered request is not sent through here)", "leg_body"
+            )
 
     def on_message_complete(self) -> None:
-        entry, self.entry = self.entry, None
-        assert entry is not None  # on_headers_complete refused the request otherwise
+        leg, self.taken = self.taken, None
+        assert leg is not None  # on_headers_complete refused the request otherwise
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        leg = Leg(entry, self, self.headers, self.url, self.server.target, self.server.leg_done)
         self.leg = leg
-        self.server.legs.add(leg)
-        leg.start()
+        leg.attach(self)
 
     def _refuse(self, refused: _Refused) -> None:
         self.server.defence(refused.defence)
-        if self.entry is not None:
-            self.entry.exchange.close(False)
-            self.entry = None
+        if self.taken is not None:
+            self.taken.client_gone()
+            self.taken = None
         body = HTTPError(refused.status, refused.message).body()
         headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
         self.write(head(refused.status, headers, len(body)) + body)

@@ -1,12 +1,14 @@
-"""One parked exchange's producer request, and its answer translated as it is read (``Leg``).
+"""One rendered request's producer leg (``Leg``): its producer request, and the answer translated as it
+is read, for Envoy.
 
-The rendered request goes to the producer on a connection of its own (``connection: close``), with
-the headers Envoy brought (the client's, less what the filter strips, plus the filter's own). The
-answer's headers go through ``response_headers`` and come back to Envoy as HTTP/1.1, chunked when the
-answer streams. Each body chunk is translated from the callback that read it: ``response_chunk``
-is stepped by hand, and only a translation that waits (a key's budget holding the answer, a render
-tier's call) becomes a task, while the producer's reading pauses and later chunks queue behind it.
-A buffered answer (an error, a non-streaming one) is collected and answered whole.
+The rendered request goes to the producer on a connection of its own (``connection: close``) as soon
+as ext_proc hands it over, with the headers Envoy would send (``wire.producer_request``); the answer is
+not read until Envoy's connection is here (``attach``). The answer's headers go through
+``response_headers`` and come back to Envoy as HTTP/1.1, chunked when the answer streams. Each body
+chunk is translated from the callback that read it: ``response_chunk`` is stepped by hand, and only a
+translation that waits (a key's budget holding the answer, a render tier's call) becomes a task, while
+the producer's reading pauses and later chunks queue behind it. A buffered answer (an error, a
+non-streaming one) is collected and answered whole.
 """
 
 from __future__ import annotations
@@ -15,30 +17,19 @@ import asyncio
 import json
 import logging
 import ssl
-import types
-from collections.abc import Callable, Coroutine
-from http import HTTPStatus
+from collections.abc import Callable
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import httptools
 
-from ...routing.producer import replica_url
-from . import LEG_HEADER, WORKER_HEADER
-from .parked import Entry
+from ...exchange import Rewrite
+from .wire import HOP, Target, chunk, finish_later, head, producer_request
 
 log = logging.getLogger("derender.leg")
 
 CONNECT_TIMEOUT = 5.0  # seconds to reach the producer (Envoy's producer cluster: 2 s, then a retry)
 MAX_BUFFERED = 16 << 20  # a buffered answer's bytes (Envoy's per-connection buffer in the shipped configs)
 MAX_ANSWER_HEAD = 64 << 10  # the producer's response headers
-HOP = frozenset(
-    {
-        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
-        b"host", b"content-length", b"expect", LEG_HEADER.encode(), WORKER_HEADER.encode(),
-    }
-)  # fmt: skip
-SENT = HOP | {b"content-type"}  # the rendered request is the filter's JSON, whatever the client's body was
 
 
 class Front(Protocol):
@@ -55,85 +46,23 @@ class Front(Protocol):
         ...
 
 
-class Target:
-    """Where producer requests go: ``--producer``'s URL, or a replica routing named (``IP:PORT``)."""
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url if "://" in url else "http://" + url)
-        self.url = url
-        self.host = parts.hostname or "127.0.0.1"
-        self.tls = parts.scheme == "https"
-        self.port = parts.port or (443 if self.tls else 80)
-        self._ssl = ssl.create_default_context() if self.tls else None
-
-    def address(self, destination: str | None) -> tuple[str, int, ssl.SSLContext | None, str]:
-        """(host, port, TLS, Host header) for a request whose routing chose ``destination``."""
-        named = replica_url(self.url, destination)
-        if named is not None:
-            parts = urlsplit(named)
-            return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
-        return self.host, self.port, self._ssl, urlsplit(self.url if "://" in self.url else "http://" + self.url).netloc
-
-
-@types.coroutine
-def _rest(coro: Coroutine[Any, Any, Any], yielded: Any):
-    """The rest of ``coro``, started by hand, which yielded ``yielded``: a task runs it on from there."""
-    while True:
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            coro.close()
-            raise
-        except asyncio.CancelledError as exc:  # the only exception a task throws in
-            try:
-                yielded = coro.throw(exc)
-            except StopIteration as done:
-                return done.value
-        else:
-            try:
-                yielded = coro.send(sent)
-            except StopIteration as done:
-                return done.value
-
-
-async def _finish(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
-    return await _rest(coro, yielded)
-
-
-def head(status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> bytes:
-    """An HTTP/1.1 response head; ``length`` None: chunked."""
-    try:
-        reason = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        reason = b"Status"
-    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines += [name + b": " + value for name, value in headers]
-    lines.append(b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length)
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
-
-
 class Leg:
-    """The producer leg of one request, from the parked exchange to the last byte Envoy gets."""
+    """The producer leg of one request, from the rendered exchange to the last byte Envoy gets.
 
-    def __init__(self, entry: Entry, front: Front, headers: list[tuple[bytes, bytes]], path: bytes, target: Target,
+    It starts when ext_proc parks the exchange (``start``): the producer request goes out while Envoy
+    brings the client's request to this worker, and the producer's answer is not read until Envoy's
+    connection is here (``attach``)."""
+
+    def __init__(self, exchange: Any, rewrite: Rewrite, headers: dict[str, str], target: Target,
                  on_done: Callable[[Leg], None]) -> None:  # fmt: skip
-        self.exchange = entry.exchange
-        self.rewrite = entry.rewrite
-        self.front = front
+        self.exchange = exchange
+        self.rewrite = rewrite
+        self.front: Front | None = None
         self.target = target
         self.on_done = on_done
-        self.host, self.port, self.ssl, authority = target.address(self.rewrite.destination)
+        self.host, self.port, self.ssl, authority = target.address(rewrite.destination)
         self.upstream = f"{self.host}:{self.port}"
-        sent = [(k, v) for k, v in headers if k.lower() not in SENT]
-        body = self.rewrite.body
-        lines = [b"POST " + path + b" HTTP/1.1", b"host: " + authority.encode("latin-1")]
-        lines += [k + b": " + v for k, v in sent]
-        lines += [b"content-type: application/json", b"content-length: %d" % len(body), b"connection: close"]
-        self.request = b"\r\n".join(lines) + b"\r\n\r\n" + body
+        self.request = producer_request(rewrite, headers, authority)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer_headers: list[tuple[bytes, bytes]] = []
@@ -145,10 +74,27 @@ class Leg:
         self._start_removed: list[str] = []
         self.answered = False  # the producer's answer was read to its end
         self.over = False  # closed: the exchange is closed and the front told
+        self._unreached: tuple[int, str] | None = None  # the producer failed before Envoy came: the answer
+        self._early: list[bytes] = []  # what the producer sent before Envoy came (its reading paused then)
+        self._lost_early = False  # and its connection closed
         self._connecting: asyncio.Task | None = None
         self._waiting: asyncio.Task | None = None  # a translation that waits
         self._queue: list[tuple[bytes, bool]] = []  # chunks read while it waits
-        self._holds: set[str] = set()  # why the producer's reading is paused
+        self._holds: set[str] = {"front"}  # why the producer's reading is paused: Envoy is not here yet
+
+    def attach(self, front: Front) -> None:
+        """Envoy's connection is here: the answer goes to it from now on."""
+        self.front = front
+        if self._unreached is not None:
+            self._answer_failure(*self._unreached)
+            return
+        early, self._early = b"".join(self._early), []
+        if early:
+            self.read(early)
+        if self._lost_early:
+            self.lost()
+            return
+        self._release("front")
 
     # -- the producer connection ----------------------------------------------------------------
     def start(self) -> None:
@@ -166,9 +112,8 @@ class Leg:
             if not self.over:
                 why = "connection timeout" if isinstance(exc, asyncio.TimeoutError) else f"connection failure: {exc}"
                 log.warning("producer %s unreachable: %s", self.upstream, why)
-                self._answer_failure(
-                    503, f"upstream connect error or disconnect/reset before headers. reset reason: {why}"
-                )
+                message = f"upstream connect error or disconnect/reset before headers. reset reason: {why}"
+                self._answer_failure(503, message)
 
     def connected(self, transport: asyncio.Transport) -> None:
         if self.over:
@@ -183,6 +128,11 @@ class Leg:
             then()
 
     def read(self, data: bytes) -> None:
+        if self.front is None:  # kept for Envoy's connection (an event loop may read once before the pause)
+            self._early.append(data)
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:  # raised in a callback below
@@ -198,6 +148,9 @@ class Leg:
     def lost(self) -> None:
         """The producer's connection closed."""
         self.transport = None
+        if self.front is None:
+            self._lost_early = True
+            return
         if not self.over and not self.answered:
             self._broke("the producer closed the connection")
 
@@ -216,6 +169,7 @@ class Leg:
             self.answer_bytes = 0
             self._start_set, self._start_removed = start.set_headers, start.remove_headers
             return
+        assert self.front is not None  # nothing is read before Envoy's connection is here
         self.front.write(head(self.status, self._merged(start.set_headers, start.remove_headers), None))
         self.started = True
 
@@ -257,7 +211,7 @@ class Leg:
             self._break_off()
             return
         self._hold("translation")
-        self._waiting = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+        self._waiting = asyncio.get_running_loop().create_task(finish_later(coro, yielded))
         self._waiting.add_done_callback(lambda task: self._waited(task, end))
 
     def _waited(self, task: asyncio.Task, end: bool) -> None:
@@ -280,6 +234,7 @@ class Leg:
     def _emit(self, out: bytes, end: bool) -> None:
         if self.over:
             return
+        assert self.front is not None  # nothing is read before Envoy's connection is here
         if not end:
             if out:
                 self.front.write(chunk(out))
@@ -295,6 +250,7 @@ class Leg:
             if self.over:
                 return
             headers = self._merged(self._start_set, self._start_removed)
+            assert self.front is not None  # nothing is read before Envoy's connection is here
             self.front.write(head(status or self.status, headers, len(out)) + out)
             self._done(True)
 
@@ -311,7 +267,11 @@ class Leg:
         task.add_done_callback(answered)
 
     def _answer_failure(self, status: int, message: str) -> None:
-        """No answer from the producer: Envoy's own words for it, as the exchange answers a producer's error."""
+        """No answer from the producer: Envoy's own words for it, as the exchange answers a producer's error
+        (once Envoy's connection is here)."""
+        if self.front is None:
+            self._unreached = (status, message)
+            return
         self.answer_headers = [(b"content-type", b"application/json")]
         self.status = status
         start = self.exchange.response_headers(status, None)
@@ -320,6 +280,7 @@ class Leg:
         if start.buffer:
             self._whole(body)
             return
+        assert self.front is not None  # answered once Envoy's connection is here
         self.front.write(head(status, self._merged(start.set_headers, start.remove_headers), None))
         self.started = True
         self._translate(body, False)
@@ -341,7 +302,8 @@ class Leg:
     def _break_off(self) -> None:
         if self.over:
             return
-        self.front.abort()
+        if self.front is not None:
+            self.front.abort()
         self._done(False)
 
     # -- flow ------------------------------------------------------------------------------------
@@ -363,7 +325,8 @@ class Leg:
         self._release("front")
 
     def client_gone(self) -> None:
-        """Envoy's connection closed before the answer was whole: the client left, or Envoy gave up."""
+        """Envoy's connection closed before the answer was whole (the client left, or Envoy gave up), or
+        Envoy never brought the request (``parked.Parked``'s time ran out)."""
         self._done(False)
 
     def _done(self, complete: bool) -> None:
@@ -378,7 +341,7 @@ class Leg:
         try:
             self.exchange.close(complete)
         finally:
-            if complete:
+            if complete and self.front is not None:
                 self.front.finish()
             self.on_done(self)
 

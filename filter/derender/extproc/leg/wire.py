@@ -1,0 +1,109 @@
+"""The response leg's HTTP/1.1, both ways: the producer request as Envoy would send it, response heads
+and chunks for Envoy, where producer requests go (``Target``), and a coroutine's rest for a task."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import types
+from collections.abc import Coroutine
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import urlsplit
+
+from ...exchange import STRIP_REQUEST_HEADERS, Rewrite
+from ...routing.clusters import STEERING_PREFIX
+from ...routing.producer import replica_url
+from . import LEG_HEADER, WORKER_HEADER
+
+HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+        b"host", b"content-length", b"expect", LEG_HEADER.encode(), WORKER_HEADER.encode(),
+    }
+)  # fmt: skip
+SENT = HOP | {b"content-type"}  # the rendered request is the filter's JSON, whatever the client's body was
+
+
+class Target:
+    """Where producer requests go: ``--producer``'s URL, or a replica routing named (``IP:PORT``)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        self.url = url
+        self.host = parts.hostname or "127.0.0.1"
+        self.tls = parts.scheme == "https"
+        self.port = parts.port or (443 if self.tls else 80)
+        self._ssl = ssl.create_default_context() if self.tls else None
+
+    def address(self, destination: str | None) -> tuple[str, int, ssl.SSLContext | None, str]:
+        """(host, port, TLS, Host header) for a request whose routing chose ``destination``."""
+        named = replica_url(self.url, destination)
+        if named is not None:
+            parts = urlsplit(named)
+            return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
+        return self.host, self.port, self._ssl, urlsplit(self.url if "://" in self.url else "http://" + self.url).netloc
+
+
+@types.coroutine
+def _rest(coro: Coroutine[Any, Any, Any], yielded: Any):
+    """The rest of ``coro``, started by hand, which yielded ``yielded``: a task runs it on from there."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except asyncio.CancelledError as exc:  # the only exception a task throws in
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as done:
+                return done.value
+
+
+async def finish_later(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
+    return await _rest(coro, yielded)
+
+
+def head(status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> bytes:
+    """An HTTP/1.1 response head; ``length`` None: chunked."""
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b"Status"
+    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
+    lines += [name + b": " + value for name, value in headers]
+    lines.append(b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
+
+
+def producer_request(rewrite: Rewrite, client: dict[str, str], authority: str) -> bytes:
+    """The producer request, as Envoy would send it after ext_proc's rewrite: the client's headers less
+    pseudo-headers, hop-by-hop ones, the credentials ext_proc strips and any ``x-derender-*`` a client
+    sent, plus the rewrite's own; the rendered body."""
+    headers = {k: v for k, v in client.items() if not k.startswith(":") and k.encode() not in SENT and k not in STRIP_REQUEST_HEADERS
+               and not k.startswith(STEERING_PREFIX)}  # fmt: skip
+    headers.update(
+        {
+            k.lower(): v
+            for k, v in rewrite.set_headers.items()
+            if not k.startswith(":") and k.lower().encode() not in SENT
+        }
+    )
+    body = rewrite.body
+    lines = [f"POST {rewrite.path} HTTP/1.1", f"host: {authority}", *(f"{k}: {v}" for k, v in headers.items())]
+    head = "\r\n".join(lines).encode("latin-1")
+    return (
+        head
+        + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+        + body
+    )
