@@ -175,14 +175,36 @@ def script(tmp_path_factory) -> Script:
     return Script(tmp_path_factory.mktemp("sim") / "script.jsonl")
 
 
-@pytest.fixture(scope="session")
-def plain_stack(qwen3_dir, script):
-    """Qwen3 without parsers: Envoy + filter + simulator (script mode)."""
-    s = Stack(
+def plain(qwen3_dir: str, script: Script, leg: bool = False) -> Stack:
+    """Qwen3 without parsers: Envoy + filter + simulator (script mode), started; ``leg``: the response
+    leg in the worker (``serve --response-leg worker``)."""
+    return Stack(
         qwen3_dir,
         ["--served-model-name", "qwen3", "--max-model-len", "4096"],
         ["--mode", "script", "--script", str(script.path)],
+        leg=leg,
     ).start()
+
+
+def agent(qwen3_dir: str, tmp_path_factory, leg: bool = False) -> Stack:
+    """Qwen3 as agents meet it: thinking (qwen3 parser) and tools (hermes), script mode, started; its
+    script is ``.script`` (a ``Script``); ``leg`` as ``plain``'s."""
+    script = Script(tmp_path_factory.mktemp("agent-sim") / "script.jsonl")
+    s = Stack(
+        qwen3_dir,
+        ["--served-model-name", "qwen3", "--max-model-len", "4096",
+         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
+        ["--mode", "script", "--script", str(script.path)],
+        leg=leg,
+    ).start()
+    s.script = script  # type: ignore[attr-defined]
+    return s
+
+
+@pytest.fixture(scope="session")
+def plain_stack(qwen3_dir, script):
+    """Qwen3 without parsers: Envoy + filter + simulator (script mode)."""
+    s = plain(qwen3_dir, script)
     yield s
     s.stop()
 
@@ -205,17 +227,8 @@ def client(plain_stack):
 
 @pytest.fixture(scope="session")
 def agent_stack(qwen3_dir, tmp_path_factory):
-    """Qwen3 as agents meet it: thinking (qwen3 parser) and tools (hermes), script mode.
-
-    Its script is ``agent_stack.script`` (a ``Script``)."""
-    script = Script(tmp_path_factory.mktemp("agent-sim") / "script.jsonl")
-    s = Stack(
-        qwen3_dir,
-        ["--served-model-name", "qwen3", "--max-model-len", "4096",
-         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
-        ["--mode", "script", "--script", str(script.path)],
-    ).start()
-    s.script = script  # type: ignore[attr-defined]
+    """Qwen3 as agents meet it (``agent``). Its script is ``agent_stack.script`` (a ``Script``)."""
+    s = agent(qwen3_dir, tmp_path_factory)
     yield s
     s.stop()
 

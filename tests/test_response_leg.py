@@ -22,7 +22,8 @@ import pytest
 import test_chat_e2e
 import test_messages
 import test_responses
-from stack import Stack, envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
+from conftest import agent, plain
+from stack import envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
 
 from derender.extproc import leg as leg_package
 from derender.extproc.leg import front
@@ -45,12 +46,7 @@ for _module, _prefix in ((test_chat_e2e, "chat"), (test_messages, "messages"), (
 @pytest.fixture(scope="module")
 def plain_stack(qwen3_dir, script):
     """``conftest.plain_stack`` with the response leg in the worker."""
-    s = Stack(
-        qwen3_dir,
-        ["--served-model-name", "qwen3", "--max-model-len", "4096"],
-        ["--mode", "script", "--script", str(script.path)],
-        leg=True,
-    ).start()
+    s = plain(qwen3_dir, script, leg=True)
     yield s
     s.stop()
 
@@ -58,17 +54,7 @@ def plain_stack(qwen3_dir, script):
 @pytest.fixture(scope="module")
 def agent_stack(qwen3_dir, tmp_path_factory):
     """``conftest.agent_stack`` with the response leg in the worker."""
-    from conftest import Script
-
-    script = Script(tmp_path_factory.mktemp("leg-agent-sim") / "script.jsonl")
-    s = Stack(
-        qwen3_dir,
-        ["--served-model-name", "qwen3", "--max-model-len", "4096",
-         "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
-        ["--mode", "script", "--script", str(script.path)],
-        leg=True,
-    ).start()  # fmt: skip
-    s.script = script  # type: ignore[attr-defined]
+    s = agent(qwen3_dir, tmp_path_factory, leg=True)
     yield s
     s.stop()
 
