@@ -287,15 +287,16 @@ class Leg:
         self._translate(b"", True)
 
     def _broke(self, why: str) -> None:
-        """The producer's answer broke off: before its head, the client gets a 502 in its API's shape;
-        after it, the stream is cut, as Envoy cuts a client's stream when its upstream resets."""
+        """The producer's answer broke off: before its head, the client gets a 503 in its API's shape, as
+        Envoy answers an upstream reset before headers; after it, the stream is cut, as Envoy cuts a
+        client's stream when its upstream resets."""
         if self.over:
             return
         log.warning("producer %s: %s", self.upstream, why)
         if self.status == 0 and self.buffered is None:
             if self.transport is not None:
                 self.transport.close()
-            self._answer_failure(502, f"upstream connect error or disconnect/reset before headers. reset reason: {why}")
+            self._answer_failure(503, f"upstream connect error or disconnect/reset before headers. reset reason: {why}")
             return
         self._break_off()
 

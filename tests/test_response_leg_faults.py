@@ -1,0 +1,69 @@
+"""Faults with the response leg in the worker (``serve --response-leg worker``): the fault tests of
+``test_reliability`` that run on the shared stacks (a producer that breaks off, stalls or sends garbage
+mid-stream, a client that leaves, Envoy's idle timeout, a slow reader held back, the connection limit)
+run again here on stacks whose answers take the leg, with the same expectations. Its fixtures that put
+another Envoy in front of the shared filter get ``envoy_config.response_leg`` too."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import test_reliability
+from conftest import agent, plain
+from test_reliability import (  # noqa: F401  (the fixtures the borrowed tests use)
+    faulty,
+    short_idle_envoy,
+    small_buffer_envoy,
+    two_connection_envoy,
+)
+
+from derender.ops import envoy_config
+
+# Not here: the fixtures whose tests are about Envoy's producer cluster (unused with the leg: a second
+# replica behind it, a dead one) or start a filter of their own (``spare``, ``staller``).
+BORROWED_FIXTURES = {"faulty", "short_idle_envoy", "small_buffer_envoy", "two_connection_envoy"}
+SHARED_STACKS = {"sim", "client", "agents", "plain_stack", "agent_stack", *BORROWED_FIXTURES}
+OWN_FIXTURES = {n for n, v in vars(test_reliability).items() if "Fixture" in type(v).__name__} - BORROWED_FIXTURES
+
+# Starts a filter of its own (test_response_leg.py has the drain with the leg).
+OWN_FILTER = {"test_sigterm_drains_open_streams_and_refuses_new_ones"}
+
+for _name, _test in list(vars(test_reliability).items()):
+    if _name.startswith("test_") and callable(_test) and _name not in OWN_FILTER:
+        _parameters = set(inspect.signature(_test).parameters)
+        if SHARED_STACKS & _parameters and not OWN_FIXTURES & _parameters:
+            globals()[_name] = _test
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leg_envoys():
+    """``test_reliability``'s Envoys, started for this file, with the leg's config."""
+    start_envoy = test_reliability.start_envoy
+
+    def leg_envoy(port, producer, *more, edit=None, **values):
+        def both(config):
+            if edit is not None:
+                edit(config)
+            envoy_config.response_leg(config)
+
+        return start_envoy(port, producer, *more, edit=both, **values)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_reliability, "start_envoy", leg_envoy)
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def plain_stack(qwen3_dir, script):
+    s = plain(qwen3_dir, script, leg=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def agent_stack(qwen3_dir, tmp_path_factory):
+    s = agent(qwen3_dir, tmp_path_factory, leg=True)
+    yield s
+    s.stop()
