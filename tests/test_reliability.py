@@ -714,11 +714,17 @@ def test_sigterm_drains_open_streams_and_refuses_new_ones(plain_stack, qwen3_dir
     """A filter told to stop (a rolling update, a scale-down) with its default forked workers:
     the stream in flight runs to [DONE], a new request gets an OpenAI error at once, health checks
     read NOT_SERVING, and the filter exits once the stream is done, well before --drain-timeout."""
+    drains(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer)
+
+
+def drains(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer, flags: tuple[str, ...] = (), edit=None) -> None:
+    """``test_sigterm_drains_open_streams_and_refuses_new_ones`` on a filter with ``flags`` added, behind
+    an Envoy whose config ``edit`` changes (test_response_leg.py: the response leg)."""
     from derender.extproc import health
 
     flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096",
-                              "--drain-timeout", "60"], plain_stack.sim_url)
-    envoy, base = start_envoy(port, plain_stack.sim_url)
+                              "--drain-timeout", "60", *flags], plain_stack.sim_url)
+    envoy, base = start_envoy(port, plain_stack.sim_url, edit=edit)
     try:
         assert health.check(f"127.0.0.1:{port}")
         # In flight, held by the producer, until healthy.check() releases it.

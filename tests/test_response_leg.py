@@ -22,7 +22,7 @@ import pytest
 import test_chat_e2e
 import test_messages
 import test_responses
-from conftest import agent, plain
+from leg_stacks import agent_stack, plain_stack  # noqa: F401  (the shared stacks, with the leg)
 from stack import envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
 
 from derender.extproc import leg as leg_package
@@ -41,22 +41,6 @@ def _borrow(module, prefix: str) -> None:
 
 for _module, _prefix in ((test_chat_e2e, "chat"), (test_messages, "messages"), (test_responses, "responses")):
     _borrow(_module, _prefix)
-
-
-@pytest.fixture(scope="module")
-def plain_stack(qwen3_dir, script):
-    """``conftest.plain_stack`` with the response leg in the worker."""
-    s = plain(qwen3_dir, script, leg=True)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def agent_stack(qwen3_dir, tmp_path_factory):
-    """``conftest.agent_stack`` with the response leg in the worker."""
-    s = agent(qwen3_dir, tmp_path_factory, leg=True)
-    yield s
-    s.stop()
 
 
 def test_the_header_names_are_the_filters():
@@ -374,33 +358,10 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
     asyncio.run(run())
 
 
-def test_sigterm_lets_the_answers_on_the_leg_finish(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer):
+def test_sigterm_lets_the_answers_on_the_leg_finish(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer):  # noqa: F811
     """``test_reliability``'s drain with the response leg: a stream in flight on the worker's leg (its
     ext_proc stream long over) runs to [DONE] after SIGTERM, new requests are refused, and the filter
     exits once it is done."""
-    import os
-    import signal
+    from test_reliability import drains
 
-    from test_reliability import HealthyStream, chat
-
-    from derender.extproc import health
-
-    flags = ["--model", qwen3_dir, "--served-model-name", "qwen3", "--max-model-len", "4096", "--drain-timeout", "60",
-             "--response-leg", "worker"]  # fmt: skip
-    flt, port = start_filter(flags, plain_stack.sim_url)
-    envoy, base = start_envoy(port, plain_stack.sim_url, edit=envoy_config.response_leg)
-    try:
-        healthy = HealthyStream(sim, script, qwen3_tokenizer, base_url=base + "/v1", hold=True)
-        os.killpg(flt.proc.pid, signal.SIGTERM)
-        wait_for(lambda: not health.check(f"127.0.0.1:{port}", timeout=1), what="the filter to stop serving health checks")
-        r = httpx.post(base + "/v1/chat/completions", json=chat(stream=False), timeout=30)
-        assert r.status_code == 502
-        assert flt.proc.poll() is None, "the filter left before the leg's answer was done"
-        healthy.check()  # still held (so still open), then released: all of it, then [DONE]
-        assert flt.proc.wait(timeout=30) == 0
-        log = flt.log.read_text(errors="replace")
-        assert "draining 1 open streams" in log and "drained in" in log
-    finally:
-        sim.sim_config()
-        envoy.stop()
-        flt.stop()
+    drains(plain_stack, qwen3_dir, sim, script, qwen3_tokenizer, ("--response-leg", "worker"), envoy_config.response_leg)

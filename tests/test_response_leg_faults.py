@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 import test_reliability
-from conftest import agent, plain
+from leg_stacks import agent_stack, plain_stack, with_the_leg  # noqa: F401  (the shared stacks, with the leg)
 from test_reliability import (  # noqa: F401  (the fixtures the borrowed tests use)
     faulty,
     short_idle_envoy,
@@ -18,7 +18,6 @@ from test_reliability import (  # noqa: F401  (the fixtures the borrowed tests u
     two_connection_envoy,
 )
 
-from derender.ops import envoy_config
 
 # Not here: the fixtures whose tests are about Envoy's producer cluster (unused with the leg: a second
 # replica behind it, a dead one) or start a filter of their own (``spare``, ``staller``).
@@ -39,31 +38,7 @@ for _name, _test in list(vars(test_reliability).items()):
 @pytest.fixture(scope="module", autouse=True)
 def _leg_envoys():
     """``test_reliability``'s Envoys, started for this file, with the leg's config."""
-    start_envoy = test_reliability.start_envoy
-
-    def leg_envoy(port, producer, *more, edit=None, **values):
-        def both(config):
-            if edit is not None:
-                edit(config)
-            envoy_config.response_leg(config)
-
-        return start_envoy(port, producer, *more, edit=both, **values)
-
     mp = pytest.MonkeyPatch()
-    mp.setattr(test_reliability, "start_envoy", leg_envoy)
+    mp.setattr(test_reliability, "start_envoy", with_the_leg(test_reliability.start_envoy))
     yield
     mp.undo()
-
-
-@pytest.fixture(scope="module")
-def plain_stack(qwen3_dir, script):
-    s = plain(qwen3_dir, script, leg=True)
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def agent_stack(qwen3_dir, tmp_path_factory):
-    s = agent(qwen3_dir, tmp_path_factory, leg=True)
-    yield s
-    s.stop()

@@ -9,9 +9,9 @@ import inspect
 
 import pytest
 import test_tracing
+from leg_stacks import with_the_leg
 from test_tracing import fast_export, receiver  # noqa: F401  (the fixtures the borrowed tests use)
 
-from derender.ops import envoy_config
 
 # The shipped layouts' test starts their own Envoy configs, which have no leg: not one of these.
 LAYOUTS = "test_each_shipped_layouts_envoy_traces_into_one_trace_with_the_filter"
@@ -23,18 +23,8 @@ for _name, _test in list(vars(test_tracing).items()):
 @pytest.fixture(scope="module")
 def traced(qwen3_dir, receiver, fast_export):  # noqa: F811
     """``test_tracing.traced`` with the response leg in the worker, and Envoy's config for it."""
-    start_envoy = test_tracing.start_envoy
-
-    def leg_envoy(port, producer, edit=None, **values):
-        def both(config):
-            if edit is not None:
-                edit(config)
-            envoy_config.response_leg(config)
-
-        return start_envoy(port, producer, edit=both, **values)
-
     mp = pytest.MonkeyPatch()
-    mp.setattr(test_tracing, "start_envoy", leg_envoy)
+    mp.setattr(test_tracing, "start_envoy", with_the_leg(test_tracing.start_envoy))
     try:
         t = test_tracing.start(qwen3_dir, receiver, True, "--trace-sample-ratio", "0", "--response-leg", "worker")
     finally:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 
-import pytest
-
 from derender.translate import model  # noqa: F401  (vLLM's environment defaults, before vLLM is imported)
 from derender.translate import vllm_seams
 
