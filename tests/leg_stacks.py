@@ -1,7 +1,10 @@
 """The shared stacks with the response leg in the worker (``serve --response-leg worker``), for the test
-files that run other files' tests through it (``test_response_leg*.py``): import the fixtures."""
+files that run other files' tests through it (``test_response_leg*.py``): import the fixtures, and
+``borrow`` the tests."""
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 from conftest import agent, plain
@@ -37,3 +40,14 @@ def with_the_leg(start_envoy):
         return start_envoy(port, producer, *more, edit=both, **values)
 
     return leg_envoy
+
+
+def borrow(module, into: dict, uses: set[str], prefix: str = "", leave: frozenset[str] = frozenset()) -> None:
+    """Into ``into`` (a test file's globals), as ``test_<prefix>...``: ``module``'s tests that ask for a
+    fixture of ``uses``, less those named in ``leave`` or asking for a fixture named there."""
+    for name, test in list(vars(module).items()):
+        if not (name.startswith("test_") and callable(test)) or name in leave:
+            continue
+        asked = set(inspect.signature(test).parameters)
+        if uses & asked and not leave & asked:
+            into["test_" + prefix + name[len("test_") :]] = test

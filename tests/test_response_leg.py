@@ -13,7 +13,6 @@ a token is handed for, and the simulator is the producer behind it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import time
 
@@ -22,7 +21,7 @@ import pytest
 import test_chat_e2e
 import test_messages
 import test_responses
-from leg_stacks import agent_stack, plain_stack  # noqa: F401  (the shared stacks, with the leg)
+from leg_stacks import agent_stack, borrow, plain_stack  # noqa: F401  (the shared stacks, with the leg)
 from stack import envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
 
 from derender.extproc import leg as leg_package
@@ -30,17 +29,8 @@ from derender.extproc.leg import front
 from derender.ops import envoy_config
 
 SHARED_STACKS = {"sim", "client", "agents", "plain_stack", "agent_stack"}
-
-
-def _borrow(module, prefix: str) -> None:
-    """``module``'s tests that run on the shared stacks, here under ``test_<prefix>_...``."""
-    for name, test in list(vars(module).items()):
-        if name.startswith("test_") and callable(test) and SHARED_STACKS & set(inspect.signature(test).parameters):
-            globals()[f"test_{prefix}_{name[len('test_'):]}"] = test
-
-
-for _module, _prefix in ((test_chat_e2e, "chat"), (test_messages, "messages"), (test_responses, "responses")):
-    _borrow(_module, _prefix)
+for _module, _prefix in ((test_chat_e2e, "chat_"), (test_messages, "messages_"), (test_responses, "responses_")):
+    borrow(_module, globals(), SHARED_STACKS, _prefix)
 
 
 def test_the_header_names_are_the_filters():

@@ -6,11 +6,9 @@ another Envoy in front of the shared filter get ``envoy_config.response_leg`` to
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import test_reliability
-from leg_stacks import agent_stack, plain_stack, with_the_leg  # noqa: F401  (the shared stacks, with the leg)
+from leg_stacks import agent_stack, borrow, plain_stack, with_the_leg  # noqa: F401  (the shared stacks, with the leg)
 from test_reliability import (  # noqa: F401  (the fixtures the borrowed tests use)
     faulty,
     short_idle_envoy,
@@ -20,19 +18,12 @@ from test_reliability import (  # noqa: F401  (the fixtures the borrowed tests u
 
 
 # Not here: the fixtures whose tests are about Envoy's producer cluster (unused with the leg: a second
-# replica behind it, a dead one) or start a filter of their own (``spare``, ``staller``).
+# replica behind it, a dead one) or start a filter of their own (``spare``, ``staller``), and the drain
+# test, which starts a filter of its own too (test_response_leg.py has the drain with the leg).
 BORROWED_FIXTURES = {"faulty", "short_idle_envoy", "small_buffer_envoy", "two_connection_envoy"}
-SHARED_STACKS = {"sim", "client", "agents", "plain_stack", "agent_stack", *BORROWED_FIXTURES}
 OWN_FIXTURES = {n for n, v in vars(test_reliability).items() if "Fixture" in type(v).__name__} - BORROWED_FIXTURES
-
-# Starts a filter of its own (test_response_leg.py has the drain with the leg).
-OWN_FILTER = {"test_sigterm_drains_open_streams_and_refuses_new_ones"}
-
-for _name, _test in list(vars(test_reliability).items()):
-    if _name.startswith("test_") and callable(_test) and _name not in OWN_FILTER:
-        _parameters = set(inspect.signature(_test).parameters)
-        if SHARED_STACKS & _parameters and not OWN_FIXTURES & _parameters:
-            globals()[_name] = _test
+borrow(test_reliability, globals(), {"sim", "client", "agents", "plain_stack", "agent_stack", *BORROWED_FIXTURES},
+       leave=frozenset({*OWN_FIXTURES, "test_sigterm_drains_open_streams_and_refuses_new_ones"}))  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,20 +6,12 @@ processes, one Redis) whose answers take the leg, with the same expectations."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import test_quota
+from leg_stacks import borrow
 
 
-def _borrow() -> None:
-    """``test_quota``'s tests on its ``fleet``, here under the same names."""
-    for name, test in list(vars(test_quota).items()):
-        if name.startswith("test_") and callable(test) and "fleet" in inspect.signature(test).parameters:
-            globals()[name] = test
-
-
-_borrow()
+borrow(test_quota, globals(), {"fleet"})  # its tests on its shared fleet, under the same names
 
 
 @pytest.fixture(scope="module")

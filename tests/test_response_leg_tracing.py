@@ -5,19 +5,14 @@ span's (no router span of Envoy's stands between them), which those tests accept
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import test_tracing
-from leg_stacks import with_the_leg
+from leg_stacks import borrow, with_the_leg
 from test_tracing import fast_export, receiver  # noqa: F401  (the fixtures the borrowed tests use)
 
 
-# The shipped layouts' test starts their own Envoy configs, which have no leg: not one of these.
-LAYOUTS = "test_each_shipped_layouts_envoy_traces_into_one_trace_with_the_filter"
-for _name, _test in list(vars(test_tracing).items()):
-    if _name.startswith("test_") and _name != LAYOUTS and "traced" in inspect.signature(_test).parameters:
-        globals()[_name] = _test
+# Not here: the shipped layouts' test, which starts their own Envoy configs (they have no leg).
+borrow(test_tracing, globals(), {"traced"}, leave=frozenset({"test_each_shipped_layouts_envoy_traces_into_one_trace_with_the_filter"}))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """ext_proc's messages as the filter builds them: header maps and mutations, immediate answers, body
-mutations, the mode overrides for a response's rest, the ask to wait longer for an answer, and the
-rewrite that hands a request to the worker's response leg."""
+mutations, the mode overrides for a response's rest, and the ask to wait longer for an answer."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf.duration_pb2 import Duration
 
-from ..exchange import STRIP_REQUEST_HEADERS, Rewrite
 from ..translate.errors import HTTPError
-from .leg import LEG_HEADER, WORKER_HEADER
 
 
 def _response_body_only(mode: int) -> processing_mode_pb2.ProcessingMode:
@@ -137,25 +134,3 @@ def encoded_body_reply(body: bytes) -> Encoded:
 async def _extend(write: Callable[[pb.ProcessingResponse], Awaitable[None]], seconds: float) -> None:
     """Ask Envoy to wait ``seconds`` more for the answer it waits for (the filter holds it: flow control)."""
     await write(pb.ProcessingResponse(override_message_timeout=Duration(seconds=math.ceil(seconds))))
-
-
-def leg_rewrite(rewrite: Rewrite, token: str, worker: str) -> pb.ProcessingResponse:
-    """The rewrite for ``--response-leg worker``: the headers the producer gets, and the two that send the
-    request to this worker's leg listener (``extproc.leg``); the body stays here, parked with the
-    exchange, and Envoy forwards none."""
-    headers = {
-        ":path": rewrite.path,
-        "content-length": "0",
-        **rewrite.set_headers,
-        LEG_HEADER: token,
-        WORKER_HEADER: worker,
-    }
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                header_mutation=_mutation(headers, STRIP_REQUEST_HEADERS),
-                body_mutation=pb.BodyMutation(clear_body=True),
-                clear_route_cache=True,
-            )
-        )
-    )

@@ -24,6 +24,7 @@ from typing import Any
 
 import httptools
 
+from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
 from ...translate.errors import HTTPError
 from ..listen import hostport
@@ -73,7 +74,7 @@ class LegServer:
         log.info("response leg listening on %s", self.address)
         return self.address
 
-    def hand(self, exchange: Any, rewrite: Rewrite) -> str | None:
+    def hand(self, exchange: ModelExchange, rewrite: Rewrite) -> str | None:
         """Start ``exchange``'s producer leg and park it for Envoy: its token, or None when too many wait."""
         if self.parked.full:
             return None

@@ -31,6 +31,7 @@ class Target:
     def __init__(self, url: str) -> None:
         parts = urlsplit(url if "://" in url else "http://" + url)
         self.url = url
+        self.authority = parts.netloc  # the Host header of a request to it
         self.host = parts.hostname or "127.0.0.1"
         self.tls = parts.scheme == "https"
         self.port = parts.port or (443 if self.tls else 80)
@@ -42,7 +43,7 @@ class Target:
         if named is not None:
             parts = urlsplit(named)
             return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
-        return self.host, self.port, self._ssl, urlsplit(self.url if "://" in self.url else "http://" + self.url).netloc
+        return self.host, self.port, self._ssl, self.authority
 
 
 @types.coroutine
