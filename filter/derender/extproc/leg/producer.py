@@ -5,10 +5,10 @@ The rendered request goes to the producer on a connection of its own (``connecti
 as ext_proc hands it over, with the headers Envoy would send (``wire.producer_request``); the answer is
 not read until Envoy's connection is here (``attach``). The answer's headers go through
 ``response_headers`` and come back to Envoy as HTTP/1.1, chunked when the answer streams. Each body
-chunk is translated from the callback that read it: ``response_chunk`` is stepped by hand, and only a
-translation that waits (a key's budget holding the answer, a render tier's call) becomes a task, while
-the producer's reading pauses and later chunks queue behind it. A buffered answer (an error, a
-non-streaming one) is collected and answered whole.
+chunk is translated from the callback that read it: ``response_chunk`` is stepped by hand. A request
+a stage hooks on every chunk (a key's budget, which asks Redis) has its translations run as tasks, as
+does one that waits after all; meanwhile the producer's reading pauses and later chunks queue behind.
+A buffered answer (an error, a non-streaming one) is collected and answered whole.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import asyncio
 import json
 import logging
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import httptools
 
+from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
 from .wire import HOP, Target, chunk, finish_later, head, producer_request
 
@@ -53,7 +54,7 @@ class Leg:
     brings the client's request to this worker, and the producer's answer is not read until Envoy's
     connection is here (``attach``)."""
 
-    def __init__(self, exchange: Any, rewrite: Rewrite, headers: dict[str, str], target: Target,
+    def __init__(self, exchange: ModelExchange, rewrite: Rewrite, headers: dict[str, str], target: Target,
                  on_done: Callable[[Leg], None]) -> None:  # fmt: skip
         self.exchange = exchange
         self.rewrite = rewrite
@@ -81,6 +82,9 @@ class Leg:
         self._waiting: asyncio.Task | None = None  # a translation that waits
         self._queue: list[tuple[bytes, bool]] = []  # chunks read while it waits
         self._holds: set[str] = {"front"}  # why the producer's reading is paused: Envoy is not here yet
+        # A stage's hook on every chunk may wait (a key's budget asks Redis), and what it calls may ask for
+        # a task of its own (asyncio.timeout, redis-py's connect): its translations run as tasks.
+        self.in_task = bool(exchange.ctx.on_chunk)
 
     def attach(self, front: Front) -> None:
         """Envoy's connection is here: the answer goes to it from now on."""
@@ -201,6 +205,9 @@ class Leg:
             self._queue.append((data, end))
             return
         coro = self.exchange.response_chunk(data, end)
+        if self.in_task:
+            self._in_task(coro, end)
+            return
         try:
             yielded = coro.send(None)
         except StopIteration as done:
@@ -210,8 +217,11 @@ class Leg:
             log.exception("a response chunk's translation failed")
             self._break_off()
             return
+        self._in_task(finish_later(coro, yielded), end)  # it waits after all: its rest in a task
+
+    def _in_task(self, coro: Coroutine[Any, Any, bytes], end: bool) -> None:
         self._hold("translation")
-        self._waiting = asyncio.get_running_loop().create_task(finish_later(coro, yielded))
+        self._waiting = asyncio.get_running_loop().create_task(coro)
         self._waiting.add_done_callback(lambda task: self._waited(task, end))
 
     def _waited(self, task: asyncio.Task, end: bool) -> None:
