@@ -8,6 +8,9 @@ STAMP := $(VENV)/.derender-setup
 PORT ?= 8080
 UP_ARGS ?=
 TEST_ARGS ?=
+# pip keeps no copy of what it downloads (torch's wheels alone are gigabytes): a CI machine's disk
+# holds the virtualenvs, not a cache of them beside them.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: setup up test check lint seams bench clean real-vllm redis-server
 
