@@ -6,14 +6,17 @@ End to end, the chat, Messages and Responses tests of ``test_chat_e2e``, ``test_
 text, vLLM's errors, the producer told to stop when the client goes). Envoy's own counters show the
 answers took the leg and never Envoy's producer cluster.
 
-The leg listener is attacked directly, in this process: a real ``Router`` of qwen3 renders the request
-a token is handed for, and the simulator is the producer behind it.
+The leg listener (HTTP/2, the filter's own frame layer in plain HTTP mode) is attacked directly, in this
+process, by raw HTTP/2 peers (``h2peer``): a real ``Router`` of qwen3 renders the request a token is
+handed for, and the simulator is the producer behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import threading
 import time
 
 import httpx
@@ -21,10 +24,13 @@ import pytest
 import test_chat_e2e
 import test_messages
 import test_responses
+from h2peer import Peer
 from leg_stacks import agent_stack, borrow, plain_stack  # noqa: F401  (the shared stacks, with the leg)
-from stack import envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, until, wait_for
+from stack import envoy_counter, free_port, http_get, start_envoy, start_filter, start_sim, wait_for
 
 from derender.extproc import leg as leg_package
+from derender.extproc.http2 import wire
+from derender.extproc.http2.wire import frame
 from derender.extproc.leg import front
 from derender.ops import envoy_config
 
@@ -118,14 +124,14 @@ def model(qwen3_dir):
 class Listener:
     """A ``LegServer`` on loopback with a real ``Router`` of qwen3 producing at ``producer``."""
 
-    def __init__(self, model, producer: str) -> None:
+    def __init__(self, model, producer: str, limits=None) -> None:
         from derender.endpoints.router import Router
         from derender.routing.producer import Producer
 
         self.producer = Producer(producer)
         self.router = Router(model, self.producer)
         self.defences: list[str] = []
-        self.server = front.LegServer(producer, on_defence=self.defences.append)
+        self.server = front.LegServer(producer, on_defence=self.defences.append, limits=limits or front.LIMITS)
 
     async def __aenter__(self) -> Listener:
         await self.server.start()
@@ -147,141 +153,174 @@ class Listener:
         assert token is not None
         return token, routed
 
-    async def send(self, data: bytes, wait: float = 10.0) -> bytes:
-        """``data`` on a new connection; everything read until the listener closes it (or ``wait`` s)."""
-        reader, writer = await asyncio.open_connection(self.host, self.port)
-        writer.write(data)
-        got = b""
-        deadline = time.monotonic() + wait
-        try:
-            while chunk := await asyncio.wait_for(reader.read(65536), max(0.01, deadline - time.monotonic())):
-                got += chunk
-        except (asyncio.TimeoutError, ConnectionResetError):
-            pass
-        writer.close()
-        return got
+
+class Served:
+    """A ``Listener`` on an event loop of its own thread, for blocking HTTP/2 peers (``h2peer.Peer``),
+    which play Envoy, or an attacker."""
+
+    def __init__(self, model, producer: str, limits=None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.errors: list[dict] = []  # what the loop's callbacks raised: none may
+        self.loop.set_exception_handler(lambda loop, context: self.errors.append(context))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.args = model, producer, limits
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+
+        async def make() -> Listener:
+            return await Listener(*self.args).__aenter__()
+
+        self.listener = self.call(make())
+        self.port = self.listener.port
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.call(self.listener.__aexit__())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+        assert not self.errors, self.errors
+
+    @property
+    def defences(self) -> list[str]:
+        return self.listener.defences
+
+    def park(self, **kw) -> tuple[str, object]:
+        return self.call(self.listener.park(**kw))
 
 
-def request(token: str | None = None, method: bytes = b"POST", extra: bytes = b"", body: bytes = b"") -> bytes:
-    head = method + b" /inference/v1/generate HTTP/1.1\r\nhost: leg\r\n"
-    if token is not None:
-        head += b"x-derender-leg: " + token.encode() + b"\r\n"
-    return head + extra + b"content-length: %d\r\n\r\n" % len(body) + body
+def leg_fields(token: str | None, method: str = "POST", extra: list | None = None) -> list[tuple[str, str]]:
+    """A leg request's header fields as Envoy sends them."""
+    fields = [(":method", method), (":scheme", "http"), (":path", "/v1/chat/completions"), (":authority", "leg")]
+    return fields + ([("x-derender-leg", token)] if token is not None else []) + (extra or [])
 
 
-def status_of(answer: bytes) -> int:
-    assert answer.startswith(b"HTTP/1.1 "), answer[:200]
-    return int(answer[9:12])
+def ask(peer: Peer, fields: list[tuple[str, str]], body: bytes | None = None) -> tuple[str, bytes, str]:
+    """One stream: (its :status or "", its body, "END_STREAM" or the RST_STREAM's error)."""
+    sid = peer.stream_id()
+    peer.send(peer.headers(sid, fields=fields, end_stream=body is None))
+    if body is not None:
+        peer.send(frame(wire.DATA, wire.END_STREAM, sid, body))
+    return answer(peer, sid)
 
 
-def error_of(answer: bytes) -> dict:
-    return json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+def answer(peer: Peer, sid: int) -> tuple[str, bytes, str]:
+    seen = peer.frames(10, until=lambda f: f.stream == sid and (f.kind == wire.RST_STREAM or f.flags & wire.END_STREAM
+                                                                  and f.kind in (wire.DATA, wire.HEADERS)))  # fmt: skip
+    mine = [f for f in seen if f.stream == sid]
+    assert mine, seen
+    status = next((f.field(":status") for f in mine if f.kind == wire.HEADERS), "") or ""
+    body = b"".join(f.payload for f in mine if f.kind == wire.DATA)
+    end = mine[-1].error if mine[-1].kind == wire.RST_STREAM else "END_STREAM"
+    return status, body, end
 
 
 CASES = {
-    "no token": (lambda t: request(None), 503, "leg_token"),
-    "a forged token": (lambda t: request("not-one-handed-out"), 503, "leg_token"),
-    "another method": (lambda t: request(t, method=b"GET"), 405, "leg_method"),
-    "a head too large": (lambda t: request(t, extra=b"x-big: " + b"a" * (front.MAX_HEAD + 1) + b"\r\n"), 431, "leg_headers"),
-    "too many header lines": (lambda t: request(t, extra=b"x-n: 1\r\n" * (front.MAX_HEADERS + 1)), 431, "leg_headers"),
-    "not HTTP": (lambda t: b"\x16\x03\x01\x02\x00 hello\r\n\r\n", 400, "leg_malformed"),
-    "an upgrade": (lambda t: request(t, extra=b"connection: upgrade\r\nupgrade: h2c\r\n"), 400, "leg_malformed"),
+    "no token": (lambda t: leg_fields(None), "503", "leg_token"),
+    "a forged token": (lambda t: leg_fields("not-one-handed-out"), "503", "leg_token"),
+    "another method": (lambda t: leg_fields(t, method="GET"), "405", "leg_method"),
+    # 4,000 copies of one field: a few KiB of HPACK, past the 128 KiB list decoded (32 bytes a field more).
+    "a header list too large": (lambda t: leg_fields(t, extra=[("x-n", "1")] * 4000), "431", "leg_header_list_size"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_leg_listener_refuses_what_envoy_never_sends(model, producer, case):
-    """Each answered in OpenAI's shape and the connection closed; the defence counted; no producer
-    request comes of it (the parked request's own went out when it was handed over)."""
+    """Each answered with its status (in OpenAI's shape where the leg answers; the frame layer's 431 is
+    the status alone) and the stream ended, the connection still serving; the defence counted; no
+    producer request comes of it (the parked request's own went out when it was handed over)."""
     make, status, defence = CASES[case]
 
     def received() -> int:
         return json.loads(http_get(producer + "/sim/stats")[1])["received"]
 
-    async def run() -> None:
-        async with Listener(model, producer) as listener:
-            before = received()
-            token, _ = await listener.park()
-            await until(lambda: received() == before + 1, "the parked request's producer request")
-            answer = await listener.send(make(token))
-            assert status_of(answer) == status, answer[:300]
-            assert error_of(answer)["code"] == status
-            assert listener.defences == [defence]
-            await asyncio.sleep(0.2)
-            assert received() == before + 1
-
-    asyncio.run(run())
-
-
-def test_a_token_serves_once(model, producer):
-    async def run() -> None:
-        async with Listener(model, producer) as listener:
-            token, _ = await listener.park(stream=True)
-            answer = await listener.send(request(token))
-            assert status_of(answer) == 200 and b"transfer-encoding: chunked" in answer
-            assert answer.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), answer[-200:]
-            again = await listener.send(request(token))
-            assert status_of(again) == 503 and listener.defences == ["leg_token"]
-            assert not listener.server.legs and not len(listener.server.parked)
-
-    asyncio.run(run())
+    with Served(model, producer) as served:
+        before = received()
+        token, _ = served.park()
+        wait_for(lambda: received() == before + 1, "the parked request's producer request")
+        with Peer.connect(served.port) as peer:
+            got, body, end = ask(peer, make(token))
+            assert (got, end) == (status, "END_STREAM"), body[:300]
+            if status != "431":
+                assert json.loads(body)["error"]["code"] == int(status)
+            assert served.defences[-1] == defence, served.defences
+            assert peer.alive()
+        time.sleep(0.2)
+        assert received() == before + 1
 
 
-def test_a_body_over_the_limit_is_refused_and_its_producer_request_aborted(model, producer):
+def test_a_token_serves_once_and_streams_share_a_connection(model, producer):
+    """Three parked requests brought on one connection, as Envoy's pool brings them: each answered
+    whole (SSE to [DONE], the stream's end), their DATA interleaved as the producer's events come; a
+    token brought again is refused."""
+    with Served(model, producer) as served:
+        tokens = [served.park(stream=True, text=f"hi {i}")[0] for i in range(3)]
+        with Peer.connect(served.port) as peer:
+            sids = []
+            for token in tokens:
+                sids.append(sid := peer.stream_id())
+                peer.send(peer.headers(sid, fields=leg_fields(token), end_stream=True))
+            for sid in sids:
+                status, body, end = answer(peer, sid)
+                assert (status, end) == ("200", "END_STREAM") and body.endswith(b"data: [DONE]\n\n"), body[-200:]
+            assert served.defences == []
+            status, body, _ = ask(peer, leg_fields(tokens[0]))
+            assert status == "503" and served.defences == ["leg_token"]
+        assert not served.listener.server.legs and not len(served.listener.server.parked)
+
+
+def test_a_body_is_refused_and_its_producer_request_aborted(model, producer):
     """A token with a body (Envoy sends none: the rendered request went to the producer from the worker):
-    413, and the exchange closed as a request whose client left, so its producer request is aborted,
-    as the coupled server aborts it."""
-
-    async def run() -> str:
-        async with Listener(model, producer) as listener:
-            token, exchange = await listener.park()
-            answer = await listener.send(request(token, body=b"x" * (front.MAX_BODY + 1)))
-            assert status_of(answer) == 413 and listener.defences == ["leg_body"]
-            return exchange.ctx.exchange.request_id
-
-    request_id = asyncio.run(run())
+    the stream reset, and the exchange closed as a request whose client left, so its producer request
+    is aborted, as the coupled server aborts it."""
+    with Served(model, producer) as served:
+        token, exchange = served.park()
+        with Peer.connect(served.port) as peer:
+            _, _, end = ask(peer, leg_fields(token), body=b"x" * 100)
+            assert end == "CANCEL" and "leg_body" in served.defences
+            assert peer.alive()
+        request_id = exchange.ctx.exchange.request_id
     wait_for(lambda: any(request_id in a for a in json.loads(http_get(producer + "/sim/aborted")[1])),
              "the producer request aborted", timeout=10)  # fmt: skip
 
 
-def test_slow_idle_and_surplus_connections_are_closed(model, producer, monkeypatch):
-    monkeypatch.setattr(front, "FIRST_REQUEST", 0.3)
-    monkeypatch.setattr(front, "HEAD_TIMEOUT", 0.3)
-    monkeypatch.setattr(front, "IDLE", 0.3)
-    monkeypatch.setattr(front, "MAX_CONNECTIONS", 3)
-
-    async def closed_after(listener: Listener, data: bytes) -> float:
-        started = time.monotonic()
-        answer = await listener.send(data, wait=5)
-        assert answer == b""  # closed without a word
-        return time.monotonic() - started
-
-    async def run() -> None:
-        async with Listener(model, producer) as listener:
-            assert await closed_after(listener, b"") < 2  # connected, sent nothing
-            assert await closed_after(listener, b"POST /inference/v1/generate HTTP/1.1\r\nhost: x\r\n") < 2  # a slow head
-            assert listener.defences == ["leg_first_request", "leg_slow_request"]
-            # Kept alive after a whole answer, then idle: closed too.
-            token, _ = await listener.park(stream=False)
-            reader, writer = await asyncio.open_connection(listener.host, listener.port)
-            writer.write(request(token))
-            got = b""
-            while chunk := await asyncio.wait_for(reader.read(65536), 5):
-                got += chunk
-            assert status_of(got) == 200 and json.loads(got.split(b"\r\n\r\n", 1)[1])["object"] == "chat.completion"
-            assert listener.defences[-1] == "leg_idle"
-            writer.close()
-            # Past MAX_CONNECTIONS, a new connection is closed at once while the others stay.
-            held = [await asyncio.open_connection(listener.host, listener.port) for _ in range(3)]
-            await asyncio.sleep(0.05)
-            surplus_reader, surplus_writer = await asyncio.open_connection(listener.host, listener.port)
-            assert await asyncio.wait_for(surplus_reader.read(), 2) == b""
-            assert "leg_connections" in listener.defences
-            for _, w in held:
-                w.close()
-            surplus_writer.close()
-
-    asyncio.run(run())
+def test_the_frame_layers_bounds_hold_on_the_leg_listener(model, producer):
+    """The ext_proc port's HTTP/2 bounds (``test_http2_attacks``) on the leg listener, tightened to be
+    seen quickly: a connection that never sends the preface is closed, one idle after its answer gets
+    GOAWAY, one past the connection bound is closed at once, and a rapid reset flood ends with GOAWAY
+    ENHANCE_YOUR_CALM; each counted as ``leg_<defence>``."""
+    limits = dataclasses.replace(front.LIMITS, preface_timeout=0.4, idle_timeout=0.4, max_connections=3,
+                                 reset_burst=50, reset_rate=1.0)  # fmt: skip
+    with Served(model, producer, limits) as served:
+        silent = Peer(served.port, preface=False)
+        assert silent.wait_closed(5) and "leg_preface_timeout" in served.defences
+        silent.close()
+        token, _ = served.park(stream=False)
+        with Peer.connect(served.port) as peer:
+            status, body, _ = ask(peer, leg_fields(token))
+            assert status == "200" and json.loads(body)["object"] == "chat.completion"
+            assert peer.frames(5, until=lambda f: f.kind == wire.GOAWAY)[-1].kind == wire.GOAWAY
+            assert "leg_idle_timeout" in served.defences
+        held = [Peer.connect(served.port) for _ in range(3)]
+        surplus = Peer(served.port)
+        assert surplus.wait_closed(5) and "leg_max_connections" in served.defences
+        surplus.close()
+        for peer in held[1:]:
+            peer.close()
+        flood, cancel = held[0], wire.CANCEL.to_bytes(4, "big")
+        chunk = b""
+        for _ in range(200):
+            sid = flood.stream_id()
+            chunk += flood.headers(sid, fields=leg_fields("forged"), end_stream=True) + frame(wire.RST_STREAM, 0, sid, cancel)
+        flood.try_send(chunk)
+        goaway = flood.frames(10, until=lambda f: f.kind == wire.GOAWAY)[-1]
+        assert goaway.kind == wire.GOAWAY and goaway.error == "ENHANCE_YOUR_CALM"
+        assert "leg_rapid_reset" in served.defences
+        flood.close()
 
 
 def test_a_parked_request_never_taken_is_dropped_and_its_producer_request_aborted(model, producer, monkeypatch):

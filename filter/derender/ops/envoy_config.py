@@ -226,8 +226,9 @@ def response_leg(config: dict) -> dict:
     """``config`` (a parsed Envoy config) for ``derender serve --response-leg worker``: a request the
     filter rewrote with ``LEG_HEADER`` goes to the worker that rendered it, at the address in
     ``WORKER_HEADER`` (an ``ORIGINAL_DST`` cluster, ``derender_leg``; both headers are the filter's own,
-    a client's copies are stripped), and ext_proc sees no response. Envoy's pool lets an idle
-    connection to a worker go after 30 s, before the worker's listener would (``extproc.leg.front``)."""
+    a client's copies are stripped), and ext_proc sees no response. Envoy speaks HTTP/2 to the worker, up to
+    100 streams a connection (the worker's bound too), and its pool lets an idle connection go after 30 s,
+    before the worker's listener would (``extproc.leg.front``)."""
     config["static_resources"]["clusters"].append(
         {
             "name": "derender_leg",
@@ -243,7 +244,7 @@ def response_leg(config: dict) -> dict:
                 "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                     "common_http_protocol_options": {"idle_timeout": "30s"},
-                    "explicit_http_config": {"http_protocol_options": {}},
+                    "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 100}},
                 }
             },
         }

@@ -42,7 +42,9 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
-        self.machine = Machine(server.limits, server.budget, server.methods, self.loop.time, server.draining)
+        self.machine = Machine(
+            server.limits, server.budget, server.methods, self.loop.time, server.draining, server.plain
+        )
         self.calls: dict[int, Call] = {}
         self.transport: asyncio.Transport | None = None
         self.paused: asyncio.Future | None = None

@@ -15,6 +15,7 @@ class Opened:
     stream_id: int
     path: str
     metadata: dict[str, str]  # its fields but the pseudo-headers, content-length and te (gRPC's custom metadata)
+    method: str = "POST"
 
 
 @dataclass(slots=True)

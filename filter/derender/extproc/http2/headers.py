@@ -50,6 +50,7 @@ class TooLarge(Exception):
 @dataclass(slots=True)
 class Request:
     path: str
+    method: str
     encoding: bytes | None  # grpc-encoding
     content_length: int | None
     metadata: dict[str, str]  # the request's other fields (gRPC's custom metadata), for the handler
@@ -141,7 +142,7 @@ def request(fields: list[tuple[bytes, bytes]]) -> Request:
             raise Malformed(f"{name.decode()} missing")
     if not pseudo[b":path"]:
         raise Malformed(":path empty")
-    return Request(pseudo[b":path"].decode("latin-1"), encoding, length, metadata)
+    return Request(pseudo[b":path"].decode("latin-1"), pseudo[b":method"].decode("latin-1"), encoding, length, metadata)
 
 
 def trailers(fields: list[tuple[bytes, bytes]]) -> None:

@@ -42,6 +42,7 @@ from .stream import Stream
 from .timers import Due, Timers
 from .wire import (
     ACK,
+    CANCEL,
     CONTINUATION,
     DATA,
     DEFAULT_WINDOW,
@@ -52,6 +53,7 @@ from .wire import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
+    INTERNAL_ERROR,
     LAST_STREAM,
     MAX_WINDOW,
     NO_ERROR,
@@ -88,13 +90,17 @@ class Machine:
         paths: Container[str],
         clock: Callable[[], float],
         draining: bool = False,
+        plain: bool = False,
     ) -> None:
         self.limits = limits
         self.paths = paths  # the methods served: another path is answered UNIMPLEMENTED
+        # Plain HTTP (the response leg's listener): any path, no request body, the reply's head given
+        # by its handler (``respond``), its DATA as it is, and its end an empty DATA with END_STREAM.
+        self.plain = plain
         self.clock = clock
         self.draining = draining  # the server stops: no new streams
         self.events: deque = deque()
-        self.outbound = Outbound(limits)
+        self.outbound = Outbound(limits, plain)
         self.inbound = Inbound(limits, budget, self.outbound)
         self.handed = self.inbound.handed  # (stream id, message or EOF): ``events.Message``'s, as pairs
         self.headers = Gatherer(limits.max_header_list, limits.max_header_block, limits.max_continuations)
@@ -307,6 +313,10 @@ class Machine:
             inbound.give_back(size - len(body), stream)  # padding counts against the windows, and is returned at once
         else:
             body = payload
+        if body and self.plain:
+            inbound.give_back(size)
+            self.events.append(Defended("body"))  # the response leg counts it as leg_body
+            raise StreamError(stream_id, CANCEL, "a request body")
         try:
             if body:
                 self.empty_run = 0
@@ -398,14 +408,14 @@ class Machine:
             self._take_reset()
             self._refuse(stream_id)
             return
-        if asked.path not in self.paths or asked.encoding not in (None, b"identity"):
+        if not self.plain and (asked.path not in self.paths or asked.encoding not in (None, b"identity")):
             why = f"unknown method {asked.path[:200]}" if asked.path not in self.paths else "compressed"
             self._trailers_only(stream_id, UNIMPLEMENTED, why, ended)
             return
         stream = Stream(stream_id, self.outbound.peer_initial_window, self.inbound.stream_window, asked.content_length)
         self.streams[stream_id] = stream
         self.running += 1
-        self.events.append(Opened(stream_id, asked.path, asked.metadata))
+        self.events.append(Opened(stream_id, asked.path, asked.metadata, asked.method))
         if ended:
             self._end_of_input(stream)
 
@@ -597,6 +607,30 @@ class Machine:
             return True
         stream.blocked = True
         return False
+
+    def is_open(self, stream_id: int) -> bool:
+        """The stream may still be answered (it was not reset, nor its connection lost)."""
+        stream = self.streams.get(stream_id)
+        return stream is not None and not stream.ended
+
+    def respond(self, stream_id: int, fields: list[tuple[str, str]]) -> None:
+        """Plain HTTP: the reply's head (its DATA follows with ``send``, its end with ``finish``)."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.ended:
+            raise ConnectionResetError("the stream is closed")
+        stream.started = True
+        self.outbound.write(self.outbound.fields.frames(stream_id, fields, 0, self.outbound.max_frame))
+
+    def reset(self, stream_id: int) -> None:
+        """Break a stream off (RST_STREAM INTERNAL_ERROR): the peer resets its client's stream."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        self.outbound.control(frame(RST_STREAM, 0, stream_id, INTERNAL_ERROR.to_bytes(4, "big")))
+        stream.ended = True
+        stream.pending.clear()
+        self.inbound.discard(stream)
+        self._remove(stream, BY_US)
 
     def finish(self, stream_id: int, status: int, why: str) -> None:
         """The handler is done: its trailers, after whatever DATA still waits for a window."""

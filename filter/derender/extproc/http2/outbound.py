@@ -14,15 +14,19 @@ from .wire import (
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
     END_STREAM,
+    RESOURCE_EXHAUSTED,
     RESPONSE_HEADERS,
     Limits,
     frame,
     percent,
 )
 
+PLAIN_STATUS = {RESOURCE_EXHAUSTED: "431"}  # a gRPC status's HTTP one, for a plain stream refused
+
 
 class Outbound:
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, plain: bool = False) -> None:
+        self.plain = plain  # plain HTTP: DATA as it is, no gRPC status
         self.out: list[bytes] = []
         self.fields = FieldEncoder()
         self.send_window = DEFAULT_WINDOW  # the peer's connection window
@@ -54,7 +58,7 @@ class Outbound:
         else:
             stream.started = True
             head = self.fields.frames(stream.id, RESPONSE_HEADERS, 0, self.max_frame)
-        data = b"\x00" + len(message).to_bytes(4, "big") + message
+        data = message if self.plain else b"\x00" + len(message).to_bytes(4, "big") + message
         size = len(data)
         if not stream.pending and size <= stream.window and size <= self.send_window and size <= self.max_frame:
             stream.window -= size
@@ -88,9 +92,16 @@ class Outbound:
         )
 
     def trailers(self, stream_id: int, status: int, why: str) -> None:
+        if self.plain:  # the end of a plain reply: an empty DATA frame
+            self.write(frame(DATA, END_STREAM, stream_id))
+            return
         self.write(self.fields.frames(stream_id, self.status_fields(status, why), END_STREAM, self.max_frame))
 
     def trailers_only(self, stream_id: int, status: int, why: str) -> None:
         """A stream answered by its status alone."""
+        if self.plain:  # a plain stream refused before its reply: an HTTP status alone
+            fields = [(":status", PLAIN_STATUS.get(status, "500"))]
+            self.write(self.fields.frames(stream_id, fields, END_STREAM, self.max_frame))
+            return
         fields = [*RESPONSE_HEADERS, *self.status_fields(status, why)]
         self.write(self.fields.frames(stream_id, fields, END_STREAM, self.max_frame))

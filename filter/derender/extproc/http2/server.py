@@ -28,6 +28,9 @@ class Server:
     ``on_defence(name)`` is told each time a defence acts (``derender.ops.metrics`` counts them);
     ``defences`` keeps the same counts."""
 
+    connection: type[Connection] = Connection  # the protocol run on each connection
+    plain = False  # plain HTTP, not gRPC (``Machine.plain``)
+
     def __init__(
         self, methods: Methods, limits: Limits | None = None, on_defence: Callable[[str], None] | None = None
     ) -> None:
@@ -77,7 +80,7 @@ class Server:
         hosts = [h.strip("[]") for h in ([host] if isinstance(host, str) else host)]
         if port is not None:
             self._server = await loop.create_server(
-                lambda: Connection(self),
+                lambda: self.connection(self),
                 [h for h in hosts if h] or None,
                 port,
                 reuse_port=reuse_port,
@@ -85,7 +88,7 @@ class Server:
                 **extra,
             )
         if unix is not None:
-            self._unix = await loop.create_unix_server(lambda: Connection(self), sock=unix, backlog=1024, **extra)
+            self._unix = await loop.create_unix_server(lambda: self.connection(self), sock=unix, backlog=1024, **extra)
         self._sweep = loop.create_task(self._sweep_timers())
 
     async def _sweep_timers(self) -> None:

@@ -1,17 +1,18 @@
-"""The worker's leg listener: Envoy's HTTP/1.1 requests for the requests this worker rendered.
+"""The worker's leg listener: Envoy's HTTP/2 streams for the requests this worker rendered.
 
 ``LegServer.hand`` starts a rendered request's producer leg (``producer.Leg``) and parks it under a
-one-time token for Envoy to bring; ``Front`` is Envoy's connection, which takes it by that token.
+one-time token for Envoy to bring. Envoy brings it on an HTTP/2 connection of its pool to this worker
+(``envoy_config.response_leg``), served by the filter's own frame layer in plain HTTP mode
+(``http2.Machine.plain``): a stream is one request, POST with its token and no body, and its answer's
+DATA as the leg writes it. Many streams share a connection, so what one loop turn writes for several
+streams leaves in one send, as on the ext_proc port; HTTP/1.1 here cost Envoy and the worker a read and
+a write per event and stream (docs/performance.md, "The response leg on HTTP/2").
 
-Only Envoy has a reason to connect, and only with a token ext_proc just handed it; everything else is
-refused at once with an error in OpenAI's shape, and the connection closed. The bounds, per worker:
-a new connection's first request must begin within ``FIRST_REQUEST`` seconds (Envoy connects when it
-has one to send) and a kept-alive one's next within ``IDLE`` (Envoy's pool lets its idle connections go
-sooner: ``envoy_config.response_leg``); a request's head and body within ``HEAD_TIMEOUT``; the head at
-most ``MAX_HEAD`` bytes and ``MAX_HEADERS`` lines (431), the body ``MAX_BODY`` (413: ext_proc sends it
-empty, the rendered request went to the producer from here), POST only (405), one request at a time,
-``MAX_CONNECTIONS`` connections (past it a new one is closed). Each defence that acts is counted
-(``derender_defences_total``, as the ext_proc port's are).
+Only Envoy has a reason to connect, and only with a token ext_proc just handed it. The frame layer's
+bounds hold as on the ext_proc port (``LIMITS``: connections, streams per connection, header lists,
+the preface, idle and keepalive timeouts, the flood and reset defences, docs/ext-proc-port.md), its
+defences counted as ``leg_<name>``; a stream without a live token is answered 503, another method 405,
+each in OpenAI's shape, and a body resets the stream (``leg_token``, ``leg_method``, ``leg_body``).
 """
 
 from __future__ import annotations
@@ -20,57 +21,44 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
-
-import httptools
+from typing import cast
 
 from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
 from ...translate.errors import HTTPError
+from ..http2 import Connection, Limits, Server
+from ..http2.connection import Call
+from ..http2.events import Opened
 from ..listen import hostport
 from . import LEG_HEADER
 from .parked import Parked
 from .producer import Leg
-from .wire import Target, head
+from .wire import Target
 
 log = logging.getLogger("derender.leg")
 
-FIRST_REQUEST = 10.0
-IDLE = 60.0
-HEAD_TIMEOUT = 10.0
-MAX_HEAD = 128 << 10
-MAX_HEADERS = 256
-MAX_BODY = 64 << 10
-MAX_CONNECTIONS = 10000
-_LEG = LEG_HEADER.encode()
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, defence: str) -> None:
-        super().__init__(message)
-        self.status, self.message, self.defence = status, message, defence
+# Envoy's leg cluster opens as many connections as 100 streams each need, and lets one idle for 30 s go
+# (``envoy_config.response_leg``); a client's request headers come through whole (Envoy takes 60 KiB).
+LIMITS = Limits(max_header_list=128 << 10, max_header_block=128 << 10, idle_timeout=60.0)
+CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"})
 
 
 class LegServer:
     """One worker's leg listener, on ``host`` and a port the system picks (``address`` once started)."""
 
     def __init__(self, producer_url: str, host: str = "127.0.0.1", on_defence: Callable[[str], None] | None = None,
-                 parked: Parked | None = None) -> None:  # fmt: skip
+                 parked: Parked | None = None, limits: Limits = LIMITS) -> None:  # fmt: skip
         self.target = Target(producer_url)
         self.host = host
-        self.on_defence = on_defence
         self.parked = parked or Parked()
         self.address = ""
-        self.connections: set[Front] = set()
         self.legs: set[Leg] = set()
-        self._server: asyncio.AbstractServer | None = None
+        self.server = _Server(self, limits, on_defence)
         self._quiet: asyncio.Event | None = None  # set when draining and the last answer is whole
 
     async def start(self) -> str:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: Front(self), self.host, 0, backlog=1024)
-        port = self._server.sockets[0].getsockname()[1]
-        self.address = hostport(self.host, port)
+        await self.server.start(self.host, 0)
+        self.address = hostport(self.host, self.server.port)
         log.info("response leg listening on %s", self.address)
         return self.address
 
@@ -82,10 +70,6 @@ class LegServer:
         self.legs.add(leg)
         leg.start()
         return self.parked.park(leg)
-
-    def defence(self, name: str) -> None:
-        if self.on_defence is not None:
-            self.on_defence(name)
 
     def leg_done(self, leg: Leg) -> None:
         self.legs.discard(leg)
@@ -101,161 +85,161 @@ class LegServer:
             await asyncio.wait_for(self._quiet.wait(), max(0.0, seconds))
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for front in list(self.connections):
-            front.abort()
+        await self.server.stop(0)
         self.parked.close()
 
 
-class Front(asyncio.Protocol):
-    """One connection from Envoy."""
+class StreamFront:
+    """One leg's stream on a connection from Envoy: what the leg writes (``producer.Front``)."""
 
-    def __init__(self, server: LegServer) -> None:
-        self.server = server
-        self.transport: Any = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.timer: asyncio.TimerHandle | None = None
-        self.leg: Leg | None = None
-        self.taken: Leg | None = None  # its request's leg, taken by the token, until its body is read
-        self._reset()
+    __slots__ = ("call", "closed", "connection", "id", "leg")
 
-    def _reset(self) -> None:
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0
-        self.body_bytes = 0
-        self.token: bytes | None = None
+    def __init__(self, connection: _Connection, call: Call, leg: Leg) -> None:
+        self.connection = connection
+        self.call = call
+        self.id = call.id
+        self.leg = leg
+        self.closed = False
 
-    def _time(self, seconds: float, why: str) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = asyncio.get_running_loop().call_later(seconds, self._timed_out, why)
-
-    def _timed_out(self, why: str) -> None:
-        self.timer = None
-        self.server.defence(why)
-        self.abort()
-
-    # -- the connection ------------------------------------------------------------------------
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        if len(self.server.connections) >= MAX_CONNECTIONS:
-            self.server.defence("leg_connections")
-            transport.abort()
+    def head(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
+        if not self.connection.machine.is_open(self.id):  # reset: its ``Ended`` tells the leg
             return
-        self.server.connections.add(self)
-        self._time(FIRST_REQUEST, "leg_first_request")
+        fields = [(":status", str(status))]
+        fields += [(k.lower().decode("latin-1"), v.decode("latin-1")) for k, v in headers
+                   if k.lower() not in CONNECTION_SPECIFIC and k.lower() != b"content-length"]  # fmt: skip
+        if length is not None:
+            fields.append(("content-length", str(length)))
+        self.connection.machine.respond(self.id, fields)
+        self.connection.flush_soon()
 
-    def data_received(self, data: bytes) -> None:
-        if self.leg is not None:  # one request at a time: Envoy never sends another before the answer
-            self.server.defence("leg_pipelined")
-            self.abort()
+    def body(self, data: bytes) -> None:
+        connection = self.connection
+        if not data or self.call.ended or not connection.machine.is_open(self.id):
             return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            refused = exc.__context__
-            if isinstance(refused, _Refused):
-                self._refuse(refused)
-            else:
-                log.error("a leg request failed", exc_info=refused)
-                self.abort()
-        except httptools.HttpParserUpgrade:
-            self._refuse(_Refused(400, "no upgrades here", "leg_malformed"))
-        except httptools.HttpParserError:
-            self._refuse(_Refused(400, "malformed HTTP/1.1", "leg_malformed"))
+        if not connection.machine.send(self.id, data) and self.call.drained is None:  # it waits for Envoy's window
+            self.leg.hold("window")
+            self.call.drained = drained = connection.loop.create_future()
+            drained.add_done_callback(lambda _: self.leg.release("window"))
+        connection.flush_soon()
 
-    def pause_writing(self) -> None:
-        if self.leg is not None:
-            self.leg.pause()
-
-    def resume_writing(self) -> None:
-        if self.leg is not None:
-            self.leg.resume()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.server.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        leg, self.leg = self.leg, None
-        if leg is not None:
-            leg.client_gone()
-        elif self.taken is not None:  # its request's body did not come whole
-            self.taken.client_gone()
-            self.taken = None
-
-    # -- what a leg asks (``producer.Front``) ----------------------------------------------------
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+    def end(self, data: bytes) -> None:
+        self.body(data)
+        if not self.call.ended:
+            self.call.ended = True
+            self.connection.machine.finish(self.id, 0, "")  # an empty DATA frame with END_STREAM
+            self.connection.flush_soon()
 
     def finish(self) -> None:
-        self.leg = None
-        if not self.parser.should_keep_alive():
-            self.transport.close()
-            return
-        self._time(IDLE, "leg_idle")
+        self.connection.done(self)
 
     def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        """Break the stream off: Envoy resets its client's stream."""
+        if not self.call.ended:
+            self.call.ended = True
+            self.connection.machine.reset(self.id)
+            self.connection.flush_soon()
+        self.connection.done(self)
 
-    # -- httptools' callbacks ----------------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self._reset()
-        self._time(HEAD_TIMEOUT, "leg_slow_request")
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-        self._count(len(url))
+class _Connection(Connection):
+    """One HTTP/2 connection from Envoy: each new stream takes the leg parked under its token."""
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        self.headers.append((name, value))
-        if len(self.headers) > MAX_HEADERS:
-            raise _Refused(431, f"more than {MAX_HEADERS} header lines", "leg_headers")
-        if name.lower() == _LEG:
-            self.token = value
+    server: _Server
 
-    def _count(self, n: int) -> None:
-        self.head_bytes += n
-        if self.head_bytes > MAX_HEAD:
-            raise _Refused(431, f"a request head over {MAX_HEAD} bytes", "leg_headers")
+    def __init__(self, server: _Server) -> None:
+        super().__init__(server)
+        self.fronts: dict[int, StreamFront] = {}
 
-    def on_headers_complete(self) -> None:
-        if self.parser.get_method() != b"POST":
-            raise _Refused(405, "POST only", "leg_method")
-        leg = self.server.parked.take(self.token.decode("latin-1")) if self.token else None
+    def flush_soon(self) -> None:
+        """At the loop turn's end: the machine's events, then one send of what the turn wrote."""
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._turn_end)
+
+    def _turn_end(self) -> None:
+        self._pump()  # ``scheduled`` still set: it schedules no send of its own
+        self._flush_out()
+
+    def _opened(self, event: Opened) -> None:
+        call = self.calls[event.stream_id] = Call(event.stream_id, None)
+        if event.method != "POST":
+            self._refuse(call, 405, "POST only", "leg_method")
+            return
+        token = event.metadata.get(LEG_HEADER)
+        leg = cast("Leg | None", self.server.legs.parked.take(token) if token else None)  # parked: only legs
         if leg is None:
-            raise _Refused(503, "no rendered request waits under this token: it expired, or none was handed out",
-                           "leg_token")  # fmt: skip
-        self.taken = leg  # type: ignore[assignment]  # parked: only legs
+            why = "no rendered request waits under this token: it expired, or none was handed out"
+            self._refuse(call, 503, why, "leg_token")
+            return
+        front = self.fronts[call.id] = StreamFront(self, call, leg)
+        leg.attach(front)
 
-    def on_body(self, body: bytes) -> None:
-        self.body_bytes += len(body)
-        if self.body_bytes > MAX_BODY:
-            raise _Refused(
-                413, f"a body over {MAX_BODY} bytes (the rendered request is not sent through here)", "leg_body"
-            )
+    def _refuse(self, call: Call, status: int, message: str, defence: str) -> None:
+        self.server.defended(defence)
+        call.ended = True
+        if not self.machine.is_open(call.id):  # reset before its answer (its ``Ended`` is next)
+            self._release(call)
+            return
+        body = HTTPError(status, message).body()
+        fields = [(":status", str(status)), ("content-type", "application/json"), ("content-length", str(len(body)))]
+        self.machine.respond(call.id, fields)
+        self.machine.send(call.id, body)
+        self.machine.finish(call.id, 0, "")
+        self._release(call)
+        self.flush_soon()
 
-    def on_message_complete(self) -> None:
-        leg, self.taken = self.taken, None
-        assert leg is not None  # on_headers_complete refused the request otherwise
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.leg = leg
-        leg.attach(self)
+    def _release(self, call: Call) -> None:
+        if self.calls.pop(call.id, None) is not None:
+            self.machine.handler_done()
 
-    def _refuse(self, refused: _Refused) -> None:
-        self.server.defence(refused.defence)
-        if self.taken is not None:
-            self.taken.client_gone()
-            self.taken = None
-        body = HTTPError(refused.status, refused.message).body()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        self.write(head(refused.status, headers, len(body)) + body)
-        if self.transport is not None:
-            self.transport.close()
+    def done(self, front: StreamFront) -> None:
+        """The leg is over (whole, or broken off): its stream's place is free."""
+        if not front.closed:
+            front.closed = True
+            self.fronts.pop(front.id, None)
+            self._release(front.call)
+
+    def _message(self, stream_id: int, item: object) -> None:
+        pass  # a leg's request has no body: its end is nothing to act on
+
+    def _ended(self, stream_id: int) -> None:
+        """Envoy reset the stream (its client left), or the connection went."""
+        call = self.calls.get(stream_id)
+        if call is not None:
+            call.ended = True
+            self._wake(call)
+        front = self.fronts.get(stream_id)
+        if front is not None:
+            front.leg.client_gone()
+            self.done(front)
+        elif call is not None:
+            self._release(call)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        for front in self.fronts.values():
+            front.leg.hold("socket")
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        for front in list(self.fronts.values()):
+            front.leg.release("socket")
+
+
+class _Server(Server):
+    """The frame layer's listener in plain HTTP mode, for a ``LegServer``."""
+
+    connection = _Connection
+    plain = True
+
+    def __init__(self, legs: LegServer, limits: Limits, on_defence: Callable[[str], None] | None) -> None:
+        super().__init__({}, limits, on_defence)
+        self.legs = legs
+
+    def defended(self, name: str, why: str = "") -> None:
+        super().defended(name if name.startswith("leg_") else f"leg_{name}", why)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]

@@ -24,7 +24,7 @@ import httptools
 
 from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
-from .wire import HOP, Target, chunk, finish_later, head, producer_request
+from .wire import HOP, Target, finish_later, producer_request
 
 log = logging.getLogger("derender.leg")
 
@@ -34,9 +34,17 @@ MAX_ANSWER_HEAD = 64 << 10  # the producer's response headers
 
 
 class Front(Protocol):
-    """What a leg needs of Envoy's connection (``front.Front``)."""
+    """What a leg needs of Envoy's stream (``front.StreamFront``)."""
 
-    def write(self, data: bytes) -> None: ...
+    def head(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
+        """The answer's head; ``length`` None: its body streams."""
+        ...
+
+    def body(self, data: bytes) -> None: ...
+
+    def end(self, data: bytes) -> None:
+        """The body's last bytes: the answer is whole."""
+        ...
 
     def finish(self) -> None:
         """The answer is whole: the connection takes Envoy's next request."""
@@ -98,7 +106,7 @@ class Leg:
         if self._lost_early:
             self.lost()
             return
-        self._release("front")
+        self.release("front")
 
     # -- the producer connection ----------------------------------------------------------------
     def start(self) -> None:
@@ -174,7 +182,7 @@ class Leg:
             self._start_set, self._start_removed = start.set_headers, start.remove_headers
             return
         assert self.front is not None  # nothing is read before Envoy's connection is here
-        self.front.write(head(self.status, self._merged(start.set_headers, start.remove_headers), None))
+        self.front.head(self.status, self._merged(start.set_headers, start.remove_headers), None)
         self.started = True
 
     def on_body(self, body: bytes) -> None:
@@ -220,7 +228,7 @@ class Leg:
         self._in_task(finish_later(coro, yielded), end)  # it waits after all: its rest in a task
 
     def _in_task(self, coro: Coroutine[Any, Any, bytes], end: bool) -> None:
-        self._hold("translation")
+        self.hold("translation")
         self._waiting = asyncio.get_running_loop().create_task(coro)
         self._waiting.add_done_callback(lambda task: self._waited(task, end))
 
@@ -239,7 +247,7 @@ class Leg:
             data, end = self._queue.pop(0)
             self._translate(data, end)
         if self._waiting is None:
-            self._release("translation")
+            self.release("translation")
 
     def _emit(self, out: bytes, end: bool) -> None:
         if self.over:
@@ -247,9 +255,9 @@ class Leg:
         assert self.front is not None  # nothing is read before Envoy's connection is here
         if not end:
             if out:
-                self.front.write(chunk(out))
+                self.front.body(out)
             return
-        self.front.write(chunk(out) + b"0\r\n\r\n")
+        self.front.end(out)
         self._done(True)
 
     def _whole(self, body: bytes) -> None:
@@ -261,10 +269,11 @@ class Leg:
                 return
             headers = self._merged(self._start_set, self._start_removed)
             assert self.front is not None  # nothing is read before Envoy's connection is here
-            self.front.write(head(status or self.status, headers, len(out)) + out)
+            self.front.head(status or self.status, headers, len(out))
+            self.front.end(out)
             self._done(True)
 
-        self._hold("translation")
+        self.hold("translation")
         task = asyncio.get_running_loop().create_task(answer())
         self._waiting = task
 
@@ -291,7 +300,7 @@ class Leg:
             self._whole(body)
             return
         assert self.front is not None  # answered once Envoy's connection is here
-        self.front.write(head(status, self._merged(start.set_headers, start.remove_headers), None))
+        self.front.head(status, self._merged(start.set_headers, start.remove_headers), None)
         self.started = True
         self._translate(body, False)
         self._translate(b"", True)
@@ -318,22 +327,16 @@ class Leg:
         self._done(False)
 
     # -- flow ------------------------------------------------------------------------------------
-    def _hold(self, why: str) -> None:
+    def hold(self, why: str) -> None:
+        """Read no more from the producer until ``release(why)`` (Envoy's stream or connection is full)."""
         if not self._holds and self.transport is not None:
             self.transport.pause_reading()
         self._holds.add(why)
 
-    def _release(self, why: str) -> None:
+    def release(self, why: str) -> None:
         self._holds.discard(why)
         if not self._holds and self.transport is not None and not self.over:
             self.transport.resume_reading()
-
-    def pause(self) -> None:
-        """Envoy's connection is full: read no more from the producer until it drains."""
-        self._hold("front")
-
-    def resume(self) -> None:
-        self._release("front")
 
     def client_gone(self) -> None:
         """Envoy's connection closed before the answer was whole (the client left, or Envoy gave up), or

@@ -1,5 +1,5 @@
-"""The response leg's HTTP/1.1, both ways: the producer request as Envoy would send it, response heads
-and chunks for Envoy, where producer requests go (``Target``), and a coroutine's rest for a task."""
+"""The response leg's producer side: the producer request as Envoy would send it (HTTP/1.1), where
+producer requests go (``Target``), and a coroutine's rest for a task."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import ssl
 import types
 from collections.abc import Coroutine
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -69,22 +68,6 @@ def _rest(coro: Coroutine[Any, Any, Any], yielded: Any):
 
 async def finish_later(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
     return await _rest(coro, yielded)
-
-
-def head(status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> bytes:
-    """An HTTP/1.1 response head; ``length`` None: chunked."""
-    try:
-        reason = HTTPStatus(status).phrase.encode()
-    except ValueError:
-        reason = b"Status"
-    lines = [b"HTTP/1.1 %d %s" % (status, reason)]
-    lines += [name + b": " + value for name, value in headers]
-    lines.append(b"transfer-encoding: chunked" if length is None else b"content-length: %d" % length)
-    return b"\r\n".join(lines) + b"\r\n\r\n"
-
-
-def chunk(data: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(data), data) if data else b""
 
 
 def producer_request(rewrite: Rewrite, client: dict[str, str], authority: str) -> bytes:
