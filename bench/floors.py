@@ -15,8 +15,8 @@ Six sides, all up at once and measured in turn (the order alternating by round),
 - ``leg``: Envoy + ``derender serve --response-leg worker`` with the default flags otherwise, through
   ``--api``: ext_proc renders, then Envoy sends the request to the worker, which reaches the producer and
   translates each event in the response path (``derender.extproc.leg``), with no ext_proc message per
-  event (Envoy + filter; until 2026-12-07 evening ``bench/upstream_proto.py``, a prototype of it, in git
-  history);
+  event, on HTTP/2 from Envoy to the worker (Envoy + filter; on HTTP/1.1 until 8a8e436, and until
+  2026-12-07 evening ``bench/upstream_proto.py``, a prototype of it, in git history);
 - ``coupled``: vLLM's coupled server (``bench/coupled_vllm.py``) through ``--api``.
 
 The floors' producer request is a fixed prompt of token ids (the simulator's script sets the answer,

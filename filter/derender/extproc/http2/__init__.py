@@ -16,7 +16,10 @@ cleartext (h2c, prior knowledge) or TLS with ALPN h2 (``server.tls_context``, op
 certificates): the whole of RFC 9113's framing, flow control and stream states, HPACK by the
 ``hpack`` package, gRPC's length-prefixed messages. Unknown methods get UNIMPLEMENTED, a handler's
 exception UNKNOWN, as gRPC's servers answer. No compression (a compressed message gets
-UNIMPLEMENTED), no server push. Every bound a peer meets is a field of ``Limits``.
+UNIMPLEMENTED), no server push. Every bound a peer meets is a field of ``Limits``. In plain HTTP mode
+(``Machine.plain``, a ``Server`` subclass with ``plain = True``: the response leg's listener,
+``extproc.leg.front``) the same frames carry plain requests without a body and their answers as their
+handler writes them.
 
 The rooms, bottom up: ``wire`` (numbers, frames, errors, limits), ``headers`` (HPACK, a header block
 gathered, a request's fields), ``control`` (SETTINGS and WINDOW_UPDATE as values, closed streams),

@@ -8,9 +8,10 @@ hands the exchange to the worker's leg (``front.LegServer.hand``), which sends t
 the producer at once, parks it under a one-time token (``parked``) and ends the ext_proc stream. Envoy
 routes the rewritten request (no body) to that worker: an ``ORIGINAL_DST`` cluster addressed by a
 header only the filter sets (``WORKER_HEADER``), the token in ``LEG_HEADER``. The worker's listener
-(``front``) takes the leg by its token, and from then on the producer's answer is read and each
-event's translation written to Envoy from the callback that read it (``producer``): one read and one
-write per event, no ext_proc message (docs/performance.md, "The response leg in the worker").
+(``front``, HTTP/2: many streams a connection) takes the leg by its token, and from then on the
+producer's answer is read and each event's translation written to Envoy's stream from the callback that
+read it (``producer``), what a loop turn wrote leaving in one send per connection: no ext_proc message
+(docs/performance.md, "The response leg in the worker", "The response leg on HTTP/2").
 
 What Envoy does on the producer leg in the default mode this mode does itself, for now with one
 producer address (a Kubernetes Service or a DNS name balances behind it) or the replica routing

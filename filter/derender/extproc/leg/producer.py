@@ -4,7 +4,7 @@ is read, for Envoy.
 The rendered request goes to the producer on a connection of its own (``connection: close``) as soon
 as ext_proc hands it over, with the headers Envoy would send (``wire.producer_request``); the answer is
 not read until Envoy's connection is here (``attach``). The answer's headers go through
-``response_headers`` and come back to Envoy as HTTP/1.1, chunked when the answer streams. Each body
+``response_headers`` and go to Envoy's stream (``front.StreamFront``), the body as DATA. Each body
 chunk is translated from the callback that read it: ``response_chunk`` is stepped by hand. A request
 a stage hooks on every chunk (a key's budget, which asks Redis) has its translations run as tasks, as
 does one that waits after all; meanwhile the producer's reading pauses and later chunks queue behind.
