@@ -90,12 +90,64 @@ def test_producer_unreachable_is_a_503_in_each_clients_shape(qwen3_dir, stream):
         flt.stop()
 
 
+def test_a_replica_that_refuses_connections_is_passed_over(qwen3_dir):
+    """``--producer`` with a dead replica first and a live one: every request is answered by the live one
+    (a connect failure goes to another replica, as Envoy's ``retry_on: connect-failure``), and each
+    reached it once (nothing reached a producer twice)."""
+    sim, live = start_sim(qwen3_dir)
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3", "--response-leg", "worker"],
+                                 f"{dead},{live}")  # fmt: skip
+        try:
+            envoy, base = start_envoy(port, live, edit=envoy_config.response_leg)
+            try:
+                for i in range(6):
+                    chat = {"model": "qwen3", "messages": [{"role": "user", "content": f"hi {i}"}], "stream": i % 2 == 1}
+                    r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=30)
+                    assert r.status_code == 200, r.text
+                    assert ("data: [DONE]" in r.text) if i % 2 else r.json()["choices"][0]["message"]["content"]
+                assert json.loads(http_get(live + "/sim/stats")[1])["received"] == 6
+            finally:
+                envoy.stop()
+        finally:
+            flt.stop()
+    finally:
+        sim.stop()
+
+
+def test_replicas_balance_by_least_request_and_pass_over_one_that_refused():
+    """``wire.Replicas`` as Envoy's least-request cluster with its connect-failure retry: the replica with
+    the fewest requests in flight; one that refused a connection is passed over while another is up, for
+    ``DOWN`` seconds; a request never goes to a replica it tried; with one replica left, that one."""
+    from derender.extproc.leg.wire import Replicas
+
+    now = [0.0]
+    replicas = Replicas(["http://a:1", "http://b:2", "http://c:3"], clock=lambda: now[0])
+    a, b, c = replicas.targets
+    replicas.started(a)
+    replicas.started(b)
+    assert {replicas.pick() for _ in range(50)} == {c}
+    replicas.started(c)
+    replicas.started(c)
+    assert {replicas.pick() for _ in range(50)} == {a, b}
+    replicas.finished(a)
+    assert replicas.pick() is a
+    replicas.failed(a)
+    assert {replicas.pick() for _ in range(50)} == {b}  # a is passed over while b and c are up
+    assert replicas.pick([b]) is c and replicas.pick([b, c]) is a and replicas.pick([a, b, c]) is None
+    now[0] += Replicas.DOWN
+    assert replicas.pick() is a
+    single = Replicas(["http://a:1"], clock=lambda: now[0])
+    single.failed(single.targets[0])
+    assert single.pick() is single.targets[0]  # the only one, down or not
+
+
 def test_serve_refuses_what_the_leg_cannot_do_yet(qwen3_dir):
     import subprocess
     import sys
 
     for flags, says in (
-        (["--producer", "http://127.0.0.1:1,http://127.0.0.1:2"], "several --producer URLs"),
         (["--routing", "prefix"], "--routing prefix"),
         (["--prefill", "http://127.0.0.1:3"], "--prefill"),
     ):

@@ -90,8 +90,6 @@ def _leg_unsupported(args: argparse.Namespace) -> str:
         return "--config (several models)"
     if args.render_url:
         return "--render-url"
-    if "," in args.producer:
-        return "several --producer URLs (put them behind one Service or DNS name)"
     if args.routing != "least-request":
         return f"--routing {args.routing}"
     if args.prefill:

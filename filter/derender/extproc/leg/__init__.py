@@ -13,13 +13,13 @@ producer's answer is read and each event's translation written to Envoy's stream
 read it (``producer``), what a loop turn wrote leaving in one send per connection: no ext_proc message
 (docs/performance.md, "The response leg in the worker", "The response leg on HTTP/2").
 
-What Envoy does on the producer leg in the default mode this mode does itself, for now with one
-producer address (a Kubernetes Service or a DNS name balances behind it) or the replica routing
-names: the connection, its timeout, aborting the producer request when the client goes (the
-exchange's own abort, and the connection closed), the stall watch (the exchange's), and errors in the
-client's shape when the producer cannot be reached or breaks off. Not yet: several producer URLs
-balanced here, consistent-hash routing (prefix), the prefill/decode handoff, several models
-(``--config``), the render tier: ``cli`` refuses those with this mode.
+What Envoy does on the producer leg in the default mode this mode does itself: the balancing over
+``--producer``'s URLs by least request, another replica on a connect failure (``wire.Replicas``), the
+connection, its timeout, aborting the producer request when the client goes (the exchange's own abort,
+and the connection closed), the stall watch (the exchange's), and errors in the client's shape when
+the producer cannot be reached or breaks off. Not yet: consistent-hash routing (prefix, precise,
+kv-events), the prefill/decode handoff, several models (``--config``), the render tier: ``cli``
+refuses those with this mode.
 """
 
 import argparse
@@ -37,7 +37,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         choices=MODES,
         default=os.environ.get("DERENDER_RESPONSE_LEG") or "envoy",
         help="who reaches the producer: 'envoy' (default) hands the filter every event over ext_proc; 'worker' "
-        "(experimental; one --producer URL, --routing least-request): the worker that rendered the request "
+        "(experimental; --routing least-request): the worker that rendered the request "
         "reaches the producer itself, with no ext_proc message per event; Envoy needs `derender up "
         "--response-leg worker`'s config (default: $DERENDER_RESPONSE_LEG, else envoy)",
     )

@@ -33,7 +33,7 @@ from ..listen import hostport
 from . import LEG_HEADER
 from .parked import Parked
 from .producer import Leg
-from .wire import Target
+from .wire import Replicas
 
 log = logging.getLogger("derender.leg")
 
@@ -48,7 +48,7 @@ class LegServer:
 
     def __init__(self, producer_url: str, host: str = "127.0.0.1", on_defence: Callable[[str], None] | None = None,
                  parked: Parked | None = None, limits: Limits = LIMITS) -> None:  # fmt: skip
-        self.target = Target(producer_url)
+        self.replicas = Replicas([url.strip() for url in producer_url.split(",") if url.strip()])
         self.host = host
         self.parked = parked or Parked()
         self.address = ""
@@ -66,7 +66,7 @@ class LegServer:
         """Start ``exchange``'s producer leg and park it for Envoy: its token, or None when too many wait."""
         if self.parked.full:
             return None
-        leg = Leg(exchange, rewrite, exchange.ctx.headers, self.target, self.leg_done)
+        leg = Leg(exchange, rewrite, exchange.ctx.headers, self.replicas, self.leg_done)
         self.legs.add(leg)
         leg.start()
         return self.parked.park(leg)

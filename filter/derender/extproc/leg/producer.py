@@ -24,7 +24,7 @@ import httptools
 
 from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
-from .wire import HOP, Target, finish_later, producer_request
+from .wire import HOP, Replicas, Target, finish_later, producer_request
 
 log = logging.getLogger("derender.leg")
 
@@ -62,16 +62,17 @@ class Leg:
     brings the client's request to this worker, and the producer's answer is not read until Envoy's
     connection is here (``attach``)."""
 
-    def __init__(self, exchange: ModelExchange, rewrite: Rewrite, headers: dict[str, str], target: Target,
+    def __init__(self, exchange: ModelExchange, rewrite: Rewrite, headers: dict[str, str], replicas: Replicas,
                  on_done: Callable[[Leg], None]) -> None:  # fmt: skip
         self.exchange = exchange
         self.rewrite = rewrite
         self.front: Front | None = None
-        self.target = target
+        self.replicas = replicas
+        self.headers = headers
+        self.target: Target | None = None  # the replica reached (counted in ``replicas`` until the leg is over)
         self.on_done = on_done
-        self.host, self.port, self.ssl, authority = target.address(rewrite.destination)
-        self.upstream = f"{self.host}:{self.port}"
-        self.request = producer_request(rewrite, headers, authority)
+        self.upstream = ""  # HOST:PORT of the replica tried last
+        self.request = b""
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.answer_headers: list[tuple[bytes, bytes]] = []
@@ -113,19 +114,36 @@ class Leg:
         self._connecting = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
+        """A connection to a replica (``Replicas``: least request, another one on a connect failure)."""
         loop = asyncio.get_running_loop()
-        try:
-            await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
-                                       server_hostname=self.host if self.ssl else None),
-                CONNECT_TIMEOUT,
-            )  # fmt: skip
-        except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
-            if not self.over:
+        tried: list[Target] = []
+        why = "no producer"
+        while len(tried) <= Replicas.RETRIES and (target := self.replicas.pick(tried)) is not None:
+            tried.append(target)
+            host, port, tls, authority = target.address(self.rewrite.destination)
+            self.upstream = f"{host}:{port}"
+            self.request = producer_request(self.rewrite, self.headers, authority)
+            try:
+                await asyncio.wait_for(
+                    loop.create_connection(lambda: _Conn(self), host, port, ssl=tls,
+                                           server_hostname=host if tls else None),
+                    CONNECT_TIMEOUT,
+                )  # fmt: skip
+            except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
                 why = "connection timeout" if isinstance(exc, asyncio.TimeoutError) else f"connection failure: {exc}"
                 log.warning("producer %s unreachable: %s", self.upstream, why)
-                message = f"upstream connect error or disconnect/reset before headers. reset reason: {why}"
-                self._answer_failure(503, message)
+                self.replicas.failed(target)
+                if self.over:
+                    return
+                continue
+            if self.over:  # ``connected`` closed it
+                return
+            self.target = target
+            self.replicas.started(target)
+            return
+        if not self.over:
+            message = f"upstream connect error or disconnect/reset before headers. reset reason: {why}"
+            self._answer_failure(503, message)
 
     def connected(self, transport: asyncio.Transport) -> None:
         if self.over:
@@ -352,6 +370,8 @@ class Leg:
                 task.cancel()
         if self.transport is not None:
             self.transport.close()
+        if self.target is not None:
+            self.replicas.finished(self.target)
         try:
             self.exchange.close(complete)
         finally:

@@ -4,9 +4,11 @@ producer requests go (``Target``), and a coroutine's rest for a task."""
 from __future__ import annotations
 
 import asyncio
+import random
 import ssl
+import time
 import types
-from collections.abc import Coroutine
+from collections.abc import Callable, Container, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,6 +45,45 @@ class Target:
             parts = urlsplit(named)
             return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
         return self.host, self.port, self._ssl, self.authority
+
+
+class Replicas:
+    """Where a worker's producer requests go: ``--producer``'s URLs, as Envoy's producer cluster balances
+    them (``envoy_config.producer_cluster``, least request): the replica with the fewest of this worker's
+    requests in flight, ties broken at random; a replica that refused a connection is passed over for
+    ``DOWN`` seconds while another is up (Envoy's health check takes it out after two failed checks 2 s
+    apart), and a request it refused goes to another, at most ``RETRIES`` more times (Envoy's
+    ``retry_on: connect-failure``, ``num_retries: 2``, never a replica tried before): nothing reached a
+    producer, so nothing runs twice."""
+
+    DOWN = 4.0
+    RETRIES = 2
+
+    def __init__(self, urls: list[str], clock: Callable[[], float] = time.monotonic) -> None:
+        self.targets = [Target(url) for url in urls]
+        self.clock = clock
+        self.active = dict.fromkeys(self.targets, 0)
+        self.down_until = dict.fromkeys(self.targets, 0.0)
+
+    def pick(self, tried: Container[Target] = ()) -> Target | None:
+        """The next replica for a request that has tried ``tried``; None once none is left."""
+        left = [t for t in self.targets if t not in tried]
+        if len(left) <= 1:
+            return left[0] if left else None
+        now = self.clock()
+        up = [t for t in left if self.down_until[t] <= now] or left
+        fewest = min(self.active[t] for t in up)
+        return random.choice([t for t in up if self.active[t] == fewest])
+
+    def started(self, target: Target) -> None:
+        self.active[target] += 1
+        self.down_until[target] = 0.0
+
+    def finished(self, target: Target) -> None:
+        self.active[target] -= 1
+
+    def failed(self, target: Target) -> None:
+        self.down_until[target] = self.clock() + self.DOWN
 
 
 @types.coroutine
