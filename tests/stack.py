@@ -179,12 +179,15 @@ def envoy_counter(admin_port: int, name: str) -> int:
     return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0] == name)
 
 
-def start_cluster_envoy(filter_port: int, cluster: dict, tag: str) -> tuple[Proc, str, int]:
+def start_cluster_envoy(filter_port: int, cluster: dict, tag: str, edit=None) -> tuple[Proc, str, int]:
     """Envoy with ``envoy/multi.yaml`` and one producer cluster (``envoy_config.producer_cluster``'s):
-    (its process, base URL, admin port) once it answers."""
+    (its process, base URL, admin port) once it answers; ``edit``: a function that changes the parsed
+    config before Envoy gets it."""
     listen, admin = free_port(), free_port()
     config = envoy_config.render("multi.yaml", LISTEN_PORT=listen, ADMIN_PORT=admin, FILTER_PORT=filter_port,
                                  PRODUCER_CLUSTERS="  - " + json.dumps(cluster))
+    if edit is not None:
+        config = yaml.safe_dump(edit(yaml.safe_load(config)))
     path = LOGS / f"envoy-{tag}-{listen}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(config)

@@ -31,7 +31,7 @@ SYSTEM = {t: f"You are the assistant of tenant {t}. " + " ".join(f"rule {t}-{i}:
 class Replicas:
     """Envoy + one filter (``--routing MODE``, one worker) + ``REPLICAS`` simulators in one cluster."""
 
-    def __init__(self, model_dir: str, mode: str, health_interval: str | None = None) -> None:
+    def __init__(self, model_dir: str, mode: str, health_interval: str | None = None, leg: bool = False) -> None:
         self.procs: list[Proc] = []
         self.sims: list[tuple[Proc, str]] = []
         try:
@@ -40,12 +40,14 @@ class Replicas:
             urls = [url for _, url in self.sims]
             self.metrics = free_port()
             self.filter, port = start_filter(["--model", model_dir, "--served-model-name", "qwen3", "--routing", mode,
-                                              "--workers", "1", "--metrics-port", str(self.metrics)], ",".join(urls))
+                                              "--workers", "1", "--metrics-port", str(self.metrics),
+                                              *(["--response-leg", "worker"] if leg else [])], ",".join(urls))
             self.procs.append(self.filter)
             producer = envoy_config.producer_cluster("producer", urls, mode)
             if health_interval:  # how long a dead replica stays in the ring after its last good check
                 producer["health_checks"][0]["interval"] = health_interval
-            envoy, self.base, self.admin = start_cluster_envoy(port, producer, f"replicas-{mode}")
+            envoy, self.base, self.admin = start_cluster_envoy(
+                port, producer, f"replicas-{mode}", edit=envoy_config.response_leg if leg else None)
             self.procs.append(envoy)
             self.envoy = envoy
             # Every replica passed Envoy's first health check: none is picked before it is known up.

@@ -143,12 +143,34 @@ def test_replicas_balance_by_least_request_and_pass_over_one_that_refused():
     assert single.pick() is single.targets[0]  # the only one, down or not
 
 
+def test_replicas_keep_a_key_on_its_replica_within_the_load_bound():
+    """With a prefix key: the same replica for the same key in every worker (two ``Replicas`` of the same
+    URLs), keys spread over the replicas, and past 1.25x the mean of requests in flight the key's next
+    replica in its own order; a replica routing names is found by its address."""
+    from derender.extproc.leg.wire import Replicas
+
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]
+    one, two = Replicas(urls), Replicas(urls)
+    keys = [f"key-{i}" for i in range(30)]
+    assert [one.pick(key=k).url for k in keys] == [two.pick(key=k).url for k in keys]
+    assert len({one.pick(key=k) for k in keys}) == 3
+    home = one.pick(key="hot")
+    for _ in range(4):  # 4 in flight on it: the bound for the fifth is 1.25 x 5 / 3, about 2.1
+        one.started(home)
+    elsewhere = one.pick(key="hot")
+    assert elsewhere is not home and elsewhere is one.pick([home], key="hot")
+    for _ in range(4):
+        one.finished(home)
+    assert one.pick(key="hot") is home
+    assert one.named("10.0.0.2:8000") is one.targets[1] and one.named("10.0.0.9:8000") is None
+
+
 def test_serve_refuses_what_the_leg_cannot_do_yet(qwen3_dir):
     import subprocess
     import sys
 
     for flags, says in (
-        (["--routing", "prefix"], "--routing prefix"),
+        (["--render-url", "http://127.0.0.1:4"], "--render-url"),
         (["--prefill", "http://127.0.0.1:3"], "--prefill"),
     ):
         run = subprocess.run(

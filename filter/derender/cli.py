@@ -90,7 +90,7 @@ def _leg_unsupported(args: argparse.Namespace) -> str:
         return "--config (several models)"
     if args.render_url:
         return "--render-url"
-    if args.routing != "least-request":
+    if args.routing == "kv-events":
         return f"--routing {args.routing}"
     if args.prefill:
         return "--prefill"

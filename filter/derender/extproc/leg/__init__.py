@@ -14,12 +14,12 @@ read it (``producer``), what a loop turn wrote leaving in one send per connectio
 (docs/performance.md, "The response leg in the worker", "The response leg on HTTP/2").
 
 What Envoy does on the producer leg in the default mode this mode does itself: the balancing over
-``--producer``'s URLs by least request, another replica on a connect failure (``wire.Replicas``), the
+``--producer``'s URLs (least request, or the prefix key's replica within a load bound; precise
+routing's chosen replica first), another replica on a connect failure (``wire.Replicas``), the
 connection, its timeout, aborting the producer request when the client goes (the exchange's own abort,
 and the connection closed), the stall watch (the exchange's), and errors in the client's shape when
-the producer cannot be reached or breaks off. Not yet: consistent-hash routing (prefix, precise,
-kv-events), the prefill/decode handoff, several models (``--config``), the render tier: ``cli``
-refuses those with this mode.
+the producer cannot be reached or breaks off. Not yet: ``--routing kv-events``, the prefill/decode
+handoff, several models (``--config``), the render tier: ``cli`` refuses those with this mode.
 """
 
 import argparse
@@ -37,7 +37,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         choices=MODES,
         default=os.environ.get("DERENDER_RESPONSE_LEG") or "envoy",
         help="who reaches the producer: 'envoy' (default) hands the filter every event over ext_proc; 'worker' "
-        "(experimental; --routing least-request): the worker that rendered the request "
+        "(experimental; not with --routing kv-events, --prefill, --config or --render-url): the worker that rendered the request "
         "reaches the producer itself, with no ext_proc message per event; Envoy needs `derender up "
         "--response-leg worker`'s config (default: $DERENDER_RESPONSE_LEG, else envoy)",
     )

@@ -24,6 +24,7 @@ import httptools
 
 from ...endpoints.router import ModelExchange
 from ...exchange import Rewrite
+from ...routing.balance import KEY_HEADER
 from .wire import HOP, Replicas, Target, finish_later, producer_request
 
 log = logging.getLogger("derender.leg")
@@ -118,9 +119,15 @@ class Leg:
         loop = asyncio.get_running_loop()
         tried: list[Target] = []
         why = "no producer"
-        while len(tried) <= Replicas.RETRIES and (target := self.replicas.pick(tried)) is not None:
+        key = self.rewrite.set_headers.get(KEY_HEADER)
+        destination = self.rewrite.destination  # the replica routing chose (precise), first
+        named = self.replicas.named(destination)
+        while len(tried) <= Replicas.RETRIES:
+            target = named if named is not None and not tried else self.replicas.pick(tried, key)
+            if target is None:
+                break
             tried.append(target)
-            host, port, tls, authority = target.address(self.rewrite.destination)
+            host, port, tls, authority = target.address()
             self.upstream = f"{host}:{port}"
             self.request = producer_request(self.rewrite, self.headers, authority)
             try:

@@ -4,6 +4,7 @@ producer requests go (``Target``), and a coroutine's rest for a task."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import ssl
 import time
@@ -13,8 +14,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ...exchange import STRIP_REQUEST_HEADERS, Rewrite
+from ...ops.envoy_config import BALANCE_FACTOR
 from ...routing.clusters import STEERING_PREFIX
-from ...routing.producer import replica_url
 from . import LEG_HEADER, WORKER_HEADER
 
 HOP = frozenset(
@@ -27,7 +28,7 @@ SENT = HOP | {b"content-type"}  # the rendered request is the filter's JSON, wha
 
 
 class Target:
-    """Where producer requests go: ``--producer``'s URL, or a replica routing named (``IP:PORT``)."""
+    """One of ``--producer``'s URLs."""
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url if "://" in url else "http://" + url)
@@ -38,13 +39,16 @@ class Target:
         self.port = parts.port or (443 if self.tls else 80)
         self._ssl = ssl.create_default_context() if self.tls else None
 
-    def address(self, destination: str | None) -> tuple[str, int, ssl.SSLContext | None, str]:
-        """(host, port, TLS, Host header) for a request whose routing chose ``destination``."""
-        named = replica_url(self.url, destination)
-        if named is not None:
-            parts = urlsplit(named)
-            return parts.hostname or self.host, parts.port or self.port, self._ssl, parts.netloc
+    def address(self) -> tuple[str, int, ssl.SSLContext | None, str]:
+        """(host, port, TLS, Host header)."""
         return self.host, self.port, self._ssl, self.authority
+
+
+BALANCE = BALANCE_FACTOR / 100  # no replica past 1.25x the mean of requests in flight (Envoy's bound)
+
+
+def _rank(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key} {url}".encode(), digest_size=8).digest(), "big")
 
 
 class Replicas:
@@ -65,15 +69,31 @@ class Replicas:
         self.active = dict.fromkeys(self.targets, 0)
         self.down_until = dict.fromkeys(self.targets, 0.0)
 
-    def pick(self, tried: Container[Target] = ()) -> Target | None:
-        """The next replica for a request that has tried ``tried``; None once none is left."""
+    def pick(self, tried: Container[Target] = (), key: str | None = None) -> Target | None:
+        """The next replica for a request that has tried ``tried``; None once none is left. With ``key``
+        (``--routing prefix|precise``: the prefix key, ``routing.balance.KEY_HEADER``), by consistent
+        hashing with bounded load, as Envoy's ring with ``hash_balance_factor``: the replicas in the
+        key's own order (rendezvous hashing: the same in every worker and filter replica), the first
+        with fewer of this worker's requests in flight than ``BALANCE`` times the mean, counting this one."""
         left = [t for t in self.targets if t not in tried]
         if len(left) <= 1:
             return left[0] if left else None
         now = self.clock()
         up = [t for t in left if self.down_until[t] <= now] or left
+        if key is not None:
+            order = sorted(up, key=lambda t: _rank(key, t.url), reverse=True)
+            bound = BALANCE * (sum(self.active.values()) + 1) / len(self.targets)
+            return next((t for t in order if self.active[t] + 1 <= bound), order[0])
         fewest = min(self.active[t] for t in up)
         return random.choice([t for t in up if self.active[t] == fewest])
+
+    def named(self, address: str | None) -> Target | None:
+        """The replica routing named (``IP:PORT``), if it is one of these."""
+        if address:
+            for target in self.targets:
+                if f"{target.host}:{target.port}" == address:
+                    return target
+        return None
 
     def started(self, target: Target) -> None:
         self.active[target] += 1
