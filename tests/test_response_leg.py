@@ -41,6 +41,7 @@ for _module, _prefix in ((test_chat_e2e, "chat_"), (test_messages, "messages_"),
 
 def test_the_header_names_are_the_filters():
     assert (envoy_config.LEG_HEADER, envoy_config.WORKER_HEADER) == (leg_package.LEG_HEADER, leg_package.WORKER_HEADER)
+    assert envoy_config.LEG_CAPABLE == leg_package.CAPABLE
 
 
 def test_answers_come_through_the_leg_and_never_envoys_producer_cluster(sim, client, script, qwen3_tokenizer):
@@ -412,13 +413,16 @@ def test_a_parked_request_never_taken_is_dropped_and_its_producer_request_aborte
 
 
 def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model, producer):
-    """The ext_proc side (``ExternalProcessor.serve_stream`` fed Envoy's messages): the rewrite names
-    this worker's leg and a token, sends no body, and the stream ends there; with ``Parked.most``
-    requests waiting, the next is refused with a 503 in the client's shape, before any producer."""
+    """The ext_proc side (``ExternalProcessor.serve_stream`` fed Envoy's messages): on a stream whose
+    Envoy has the leg (its metadata says so), the reply to the headers asks for none of the response,
+    the rewrite names this worker's leg and a token, sends no body, and the stream ends there; with
+    ``Parked.most`` requests waiting, the next is refused with a 503 in the client's shape, before any
+    producer. On a stream of an Envoy without the leg, the same worker rewrites as without one."""
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from grpc.aio import EOF
 
+    from derender.extproc import http2
     from derender.extproc.server import ExternalProcessor
 
     def messages() -> list:
@@ -429,7 +433,7 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
         return [pb.ProcessingRequest(request_headers=headers),
                 pb.ProcessingRequest(request_body=pb.HttpBody(body=body.encode(), end_of_stream=True)), EOF]  # fmt: skip
 
-    async def stream(processor) -> list:
+    async def stream(processor, capable: bool = True) -> list:
         inbox, replies = messages(), []
 
         async def read():
@@ -438,7 +442,11 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
         async def write(reply) -> None:
             replies.append(reply)
 
-        await processor.serve_stream(read, write, encoded=False)
+        set_ = http2.METADATA.set(dict([leg_package.CAPABLE]) if capable else {})
+        try:
+            await processor.serve_stream(read, write, encoded=False)
+        finally:
+            http2.METADATA.reset(set_)
         return replies
 
     async def run() -> None:
@@ -446,6 +454,9 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
             processor = ExternalProcessor(listener.router, leg=listener.server)
             first, rewrite = await stream(processor)
             assert "x-derender-leg" in first.request_headers.response.header_mutation.remove_headers  # the client's
+            mode = first.mode_override
+            assert (mode.request_body_mode, mode.response_header_mode, mode.response_body_mode) == (
+                mode.BUFFERED, mode.SKIP, mode.NONE)
             common = rewrite.request_body.response
             sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
             assert sets["x-derender-worker"] == listener.server.address and sets["content-length"] == "0"
@@ -457,6 +468,11 @@ def test_ext_proc_hands_the_request_to_the_leg_and_refuses_past_the_bound(model,
             _, refused = await stream(processor)
             assert refused.immediate_response.status.code == 503
             assert json.loads(refused.immediate_response.body)["error"]["code"] == 503
+            first, rewrite, *_ = await stream(processor, capable=False)  # an Envoy without the leg
+            assert not first.HasField("mode_override") and not len(listener.server.parked)
+            common = rewrite.request_body.response
+            sets = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+            assert "x-derender-worker" not in sets and json.loads(common.body_mutation.body)["stream"] is True
 
     asyncio.run(run())
 

@@ -100,10 +100,12 @@ def test_up_starts_the_simulator_by_default(qwen3_dir):
             up.kill()
 
 
-def test_up_with_the_response_leg_in_two_workers(qwen3_dir, qwen3_tokenizer):
-    """``up --response-leg worker`` as the README shows it, with two workers: each worker's leg listener
-    answers the requests it rendered (Envoy's ORIGINAL_DST cluster reaches the one its rewrite names),
-    and the producer is reached by the workers themselves (``connection: close`` is theirs, not Envoy's)."""
+@pytest.mark.parametrize("flags", [[], ["--response-leg", "worker"]], ids=["by default", "worker"])
+def test_up_with_the_response_leg_in_two_workers(qwen3_dir, qwen3_tokenizer, flags):
+    """``up`` (its default, ``--response-leg auto``, takes the leg with these flags) with two workers: each
+    worker's leg listener answers the requests it rendered (Envoy's ORIGINAL_DST cluster reaches the one
+    its rewrite names), and the producer is reached by the workers themselves (``connection: close`` is
+    theirs, not Envoy's)."""
     import concurrent.futures
 
     sim, producer = start_sim(qwen3_dir)  # echo mode
@@ -112,7 +114,7 @@ def test_up_with_the_response_leg_in_two_workers(qwen3_dir, qwen3_tokenizer):
     log = open(LOGS / f"up-leg-{os.getpid()}.log", "w+")
     up = subprocess.Popen(
         [str(BIN / "derender"), "up", "--model", qwen3_dir, "--served-model-name", "qwen3", "--producer", producer,
-         "--port", str(port), "--response-leg", "worker", "--workers", "2"],
+         "--port", str(port), *flags, "--workers", "2"],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )  # fmt: skip
     try:

@@ -84,19 +84,6 @@ def _worker_counts(args: argparse.Namespace) -> tuple[int, int]:
     return 1, max(1, args.max_workers) if args.port else 1
 
 
-def _leg_unsupported(args: argparse.Namespace) -> str:
-    """What ``--response-leg worker`` cannot do yet among these flags (``extproc.leg``), or ""."""
-    if args.config:
-        return "--config (several models)"
-    if args.render_url:
-        return "--render-url"
-    if args.routing == "kv-events":
-        return f"--routing {args.routing}"
-    if args.prefill:
-        return "--prefill"
-    return ""
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     # Loading the model (vLLM's modules, the tokenizer, the parsers) makes millions of objects that
     # live as long as the process, and the collector would walk them over and over: about a fifth
@@ -125,11 +112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"derender: {exc}") from None
     metrics.configure(args.metrics_host or hosts[0], args.metrics_port)
+    from .extproc import leg
+
+    lacking = leg.unsupported(args.config, args.render_url, args.routing, args.prefill)
+    if args.response_leg == "worker" and lacking:
+        raise SystemExit(f"derender: --response-leg worker does not yet work with {lacking}")
     process = options.settings(args)
-    if process.response_leg == "worker":
-        unsupported = _leg_unsupported(args)
-        if unsupported:
-            raise SystemExit(f"derender: --response-leg worker does not yet work with {unsupported}")
     if process.api_keys:
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)

@@ -103,7 +103,7 @@ def settings(args: argparse.Namespace) -> Settings:
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         trace_sample_ratio=getattr(args, "trace_sample_ratio", defaults.trace_sample_ratio),
         quota_config=getattr(args, "quota_config", None),
-        response_leg=getattr(args, "response_leg", None) or defaults.response_leg,
+        response_leg=leg.mode(args) or defaults.response_leg,
         leg_host=getattr(args, "leg_host", None) or defaults.leg_host,
     )
 
@@ -335,9 +335,9 @@ def add_up_arguments(up: argparse.ArgumentParser) -> None:
     )
     up.add_argument(
         "--response-leg",
-        choices=("envoy", "worker"),
-        default="envoy",
-        help="the filter's --response-leg, and Envoy's config for it (default envoy)",
+        choices=("envoy", "worker", "auto"),
+        default="auto",
+        help="the filter's --response-leg, and Envoy's config for it (default auto: the leg where the flags allow)",
     )
     up.add_argument("--sim-arg", action="append", default=[], help="extra flag for the simulator (repeatable)")
     up.add_argument(

@@ -50,7 +50,7 @@ class Settings:
             raise ValueError(f"stream_path must be one of {', '.join(STREAM_PATHS)}, not {self.stream_path!r}")
         if self.transport not in ("http2", "grpcio"):
             raise ValueError(f"transport must be http2 or grpcio, not {self.transport!r}")
-        if self.response_leg not in ("envoy", "worker"):
+        if self.response_leg not in ("envoy", "worker"):  # --response-leg auto is one of them by then (cli)
             raise ValueError(f"response_leg must be envoy or worker, not {self.response_leg!r}")
         if not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be between 0 and 1, not {self.trace_sample_ratio!r}")

@@ -31,6 +31,10 @@ def _response_body_only(mode: int) -> processing_mode_pb2.ProcessingMode:
     )
 
 
+# A request the worker's leg answers (``extproc.leg``): its body as before, nothing of its response.
+_M = processing_mode_pb2.ProcessingMode
+LEG_MODE = _M(request_header_mode=_M.SEND, request_body_mode=_M.BUFFERED, request_trailer_mode=_M.SKIP,
+              response_header_mode=_M.SKIP, response_body_mode=_M.NONE, response_trailer_mode=_M.SKIP)  # fmt: skip
 # Non-streaming and error responses: the whole body at once.
 _BUFFERED_RESPONSE = _response_body_only(processing_mode_pb2.ProcessingMode.BUFFERED)
 # Envoy's own reply to a request the filter never saw the body of (e.g. 413): let it through.

@@ -42,6 +42,7 @@ from .listen import Listener, hostport, listen_hosts
 from .messages import (
     _BUFFERED_RESPONSE,
     _PASS_RESPONSE,
+    LEG_MODE,
     _body_mutation,
     _error,
     _extend,
@@ -109,7 +110,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         return
                     exchange = routed
                     exchange.ctx.extend = functools.partial(_extend, write)
-                    await write(self._request_headers(headers))
+                    # The worker's leg answers it if this Envoy's config has the leg (``LegServer.takes``).
+                    leg = self.leg if self.leg is not None and self.leg.takes(http2.METADATA.get()) else None
+                    await write(self._request_headers(headers, leg is not None))
                 elif kind == "request_body" and exchange is not None and not rewritten:
                     try:
                         rewrite = await exchange.request_body(message.request_body.body)
@@ -127,14 +130,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         await write(immediate(rewrite.status, rewrite.body, rewrite.content_type, rewrite.headers))
                         return
                     rewritten = True
-                    if self.leg is not None:
-                        token = self.leg.hand(exchange, rewrite)
+                    if leg is not None:
+                        token = leg.hand(exchange, rewrite)
                         if token is None:
                             complete = True
                             await write(_error(exchange.ctx.endpoint.error(HTTPError(503, "the response leg is full"))))
                             return
                         handed = True
-                        await write(self._request_rewrite(rewrite, (token, self.leg.address)))
+                        await write(self._request_rewrite(rewrite, (token, leg.address)))
                         return  # Envoy goes on without this stream; the leg answers
                     await write(self._request_rewrite(rewrite))
                     if rewrite.then is not None:  # sent: Envoy is reaching the producer meanwhile
@@ -187,15 +190,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 exchange.close(complete)
 
     @staticmethod
-    def _request_headers(headers: dict[str, str]) -> pb.ProcessingResponse:
+    def _request_headers(headers: dict[str, str], leg: bool = False) -> pb.ProcessingResponse:
         """Go on to the body; the client's copies of the headers that steer Envoy are removed here,
         on every path, so that only the filter's own (set with the rewrite) can choose a cluster
-        or a producer replica."""
+        or a producer replica. ``leg``: the response will come from the worker's leg, not through here."""
         forged = [k for k in headers if k in STEERING_HEADERS or k.startswith(STEERING_PREFIX)]
-        if not forged:
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        common = pb.CommonResponse(header_mutation=_mutation(remove=forged)) if forged else None
         return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=_mutation(remove=forged)))
+            request_headers=pb.HeadersResponse(response=common), mode_override=LEG_MODE if leg else None
         )
 
     @staticmethod

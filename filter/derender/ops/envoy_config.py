@@ -220,13 +220,16 @@ def add_tracing(config: dict, endpoint: str, service: str = "envoy", sampling: f
 
 # extproc.leg's header names (tests/test_response_leg.py holds them equal; ops sits below extproc)
 LEG_HEADER, WORKER_HEADER = "x-derender-leg", "x-derender-worker"
+LEG_CAPABLE = ("x-derender-response-leg", "1")  # extproc.leg.CAPABLE
 
 
 def response_leg(config: dict) -> dict:
     """``config`` (a parsed Envoy config) for ``derender serve --response-leg worker``: a request the
     filter rewrote with ``LEG_HEADER`` goes to the worker that rendered it, at the address in
     ``WORKER_HEADER`` (an ``ORIGINAL_DST`` cluster, ``derender_leg``; both headers are the filter's own,
-    a client's copies are stripped), and ext_proc sees no response. Envoy speaks HTTP/2 to the worker, up to
+    a client's copies are stripped). Its ext_proc streams say so (gRPC metadata ``LEG_CAPABLE``): a filter
+    with a leg then asks, for each request it sends there, for none of its response (``mode_override``),
+    and one without answers as it would anyway. Envoy speaks HTTP/2 to the worker, up to
     100 streams a connection (the worker's bound too), and its pool lets an idle connection go after 30 s,
     before the worker's listener would (``extproc.leg.front``)."""
     config["static_resources"]["clusters"].append(
@@ -262,6 +265,7 @@ def response_leg(config: dict) -> dict:
                     host["routes"].insert(0, {"match": match, "route": leg})
                 for http_filter in manager.get("http_filters", ()):
                     if http_filter.get("name") == "envoy.filters.http.ext_proc":
-                        mode = http_filter["typed_config"]["processing_mode"]
-                        mode.update(response_header_mode="SKIP", response_body_mode="NONE")
+                        service = http_filter["typed_config"]["grpc_service"]
+                        key, value = LEG_CAPABLE
+                        service.setdefault("initial_metadata", []).append({"key": key, "value": value})
     return config

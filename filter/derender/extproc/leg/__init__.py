@@ -27,7 +27,33 @@ import os
 
 LEG_HEADER = "x-derender-leg"  # the parked exchange's one-time token (a request header only the filter sets)
 WORKER_HEADER = "x-derender-worker"  # IP:PORT of the worker's leg listener, read by Envoy's ORIGINAL_DST cluster
-MODES = ("envoy", "worker")
+# Envoy's ext_proc streams carry this gRPC metadata (``initial_metadata``) when its config has the leg's
+# cluster and route (``envoy_config.response_leg``): only then does a worker with a leg take a request.
+CAPABLE = ("x-derender-response-leg", "1")
+MODES = ("envoy", "worker", "auto")
+
+
+def unsupported(config: object, render_url: object, routing: str, prefill: object) -> str:
+    """What the leg cannot do yet among these flags, or ""."""
+    if config:
+        return "--config (several models)"
+    if render_url:
+        return "--render-url"
+    if routing == "kv-events":
+        return f"--routing {routing}"
+    if prefill:
+        return "--prefill"
+    return ""
+
+
+def mode(args: argparse.Namespace) -> str | None:
+    """``--response-leg``, with auto made worker where these flags allow it, else envoy."""
+    chosen = getattr(args, "response_leg", None)
+    if chosen != "auto":
+        return chosen
+    lacking = unsupported(getattr(args, "config", None), getattr(args, "render_url", None),
+                          getattr(args, "routing", "least-request"), getattr(args, "prefill", None))  # fmt: skip
+    return "envoy" if lacking else "worker"
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -35,11 +61,12 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--response-leg",
         choices=MODES,
-        default=os.environ.get("DERENDER_RESPONSE_LEG") or "envoy",
-        help="who reaches the producer: 'envoy' (default) hands the filter every event over ext_proc; 'worker' "
-        "(experimental; not with --routing kv-events, --prefill, --config or --render-url): the worker that rendered the request "
-        "reaches the producer itself, with no ext_proc message per event; Envoy needs `derender up "
-        "--response-leg worker`'s config (default: $DERENDER_RESPONSE_LEG, else envoy)",
+        default=os.environ.get("DERENDER_RESPONSE_LEG") or "auto",
+        help="who reaches the producer: 'envoy' hands the filter every event over ext_proc; 'worker' (not with "
+        "--routing kv-events, --prefill, --config or --render-url): the worker that rendered the request reaches "
+        "the producer itself, with no ext_proc message per event, for the requests of an Envoy whose config has "
+        "the leg (`derender up` writes it; others go through ext_proc as with 'envoy'); 'auto': 'worker' where "
+        "these flags allow it, else 'envoy' (default: $DERENDER_RESPONSE_LEG, else auto)",
     )
     serve.add_argument(
         "--leg-host",

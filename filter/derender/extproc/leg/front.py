@@ -30,7 +30,7 @@ from ..http2 import Connection, Limits, Server
 from ..http2.connection import Call
 from ..http2.events import Opened
 from ..listen import hostport
-from . import LEG_HEADER
+from . import CAPABLE, LEG_HEADER
 from .parked import Parked
 from .producer import Leg
 from .wire import Replicas
@@ -61,6 +61,13 @@ class LegServer:
         self.address = hostport(self.host, self.server.port)
         log.info("response leg listening on %s", self.address)
         return self.address
+
+    @staticmethod
+    def takes(metadata: dict[str, str]) -> bool:
+        """Whether a request of this ext_proc stream comes here: its Envoy's config has the leg (its metadata,
+        ``CAPABLE``, says so). The filter then asks Envoy, with its reply to the request's headers, for nothing
+        of the response (``messages.LEG_MODE``): Envoy takes no change of mode after the headers."""
+        return metadata.get(CAPABLE[0]) == CAPABLE[1]
 
     def hand(self, exchange: ModelExchange, rewrite: Rewrite) -> str | None:
         """Start ``exchange``'s producer leg and park it for Envoy: its token, or None when too many wait."""
