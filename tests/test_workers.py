@@ -101,8 +101,9 @@ def test_sigterm_stops_supervisor_and_workers(qwen3_dir):
 
 def test_workers_on_a_unix_socket_alone(qwen3_dir, tmp_path):
     """``--uds PATH --no-tcp``, as ``derender up`` runs its filters: both workers accept on the one
-    Unix socket, which only this user can reach, no TCP port is open, and the socket is gone once
-    the filter stops."""
+    Unix socket, which only this user can reach, no TCP port is open but each worker's response leg
+    listener on loopback (``extproc.leg``: requests with a token ext_proc handed out only), and the
+    socket is gone once the filter stops."""
     port, uds = free_port(), str(tmp_path / "ext_proc.sock")
     flt = Proc(
         "filter-workers-unix",
@@ -117,7 +118,13 @@ def test_workers_on_a_unix_socket_alone(qwen3_dir, tmp_path):
         assert stat.S_IMODE(os.stat(uds).st_mode) == 0o600
         assert all(health.check(f"unix:{uds}", EXT_PROC_SERVICE) for _ in range(6))  # a connection each
         assert not tcp_open(port)
-        assert not [c for w in workers for c in w.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+
+        def listening() -> list:
+            return [[c for c in w.net_connections("tcp") if c.status == psutil.CONN_LISTEN] for w in workers]
+
+        # Each worker opens its leg listener as it starts, which the Unix socket (made before the fork) does not wait for.
+        assert _wait_for(lambda: all(len(ls) == 1 and ls[0].laddr.ip == "127.0.0.1" for ls in listening())), listening()
+        assert "response leg listening on 127.0.0.1:" in flt.log.read_text()
         os.kill(flt.proc.pid, signal.SIGTERM)
         assert flt.proc.wait(timeout=30) == 0
         assert _wait_for(lambda: not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers))

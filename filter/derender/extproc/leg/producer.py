@@ -37,15 +37,11 @@ MAX_ANSWER_HEAD = 64 << 10  # the producer's response headers
 class Front(Protocol):
     """What a leg needs of Envoy's stream (``front.StreamFront``)."""
 
-    def head(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None:
-        """The answer's head; ``length`` None: its body streams."""
-        ...
+    def head(self, status: int, headers: list[tuple[bytes, bytes]], length: int | None) -> None: ...  # None: streamed
 
     def body(self, data: bytes) -> None: ...
 
-    def end(self, data: bytes) -> None:
-        """The body's last bytes: the answer is whole."""
-        ...
+    def end(self, data: bytes) -> None: ...  # the body's last bytes: the answer is whole
 
     def finish(self) -> None:
         """The answer is whole: the connection takes Envoy's next request."""
