@@ -140,6 +140,7 @@ class Fleet:
         self.filters: list[Proc] = []
         self.metrics: list[int] = []
         self.workers: list[int] = []
+        self.last_id: dict[str, str] = {}  # the last chat request's id, by the gateway it went through
 
     def add_gateway(self, workers: int = 1) -> str:
         urls = [url for _, url, _, _ in self.sims]
@@ -185,9 +186,17 @@ class Fleet:
         status, body = http_post(base + "/v1/chat/completions",
                                  {"model": "qwen3", "messages": messages, "max_tokens": 8}, timeout=60)
         assert status == 200, body
+        self.last_id[base] = json.loads(body)["id"]
         after = self.received()
         [served] = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b == a + 1]
         return served
+
+    def route_of(self, flt: Proc, base: str) -> dict:
+        """The log line of the last request sent to ``base`` (served by ``flt``): written when its ext_proc
+        stream ends, which can come after the client has its answer, and after later requests' lines."""
+        wanted = self.last_id[base]
+        return wait_for(lambda: next((r for r in self.routes(flt) if r.get("request_id") == wanted), None),
+                        f"the log line of {wanted}")  # fmt: skip
 
     def last_prompt(self, replica: int) -> list[int]:
         return json.loads(http_get(self.sims[replica][1] + "/sim/requests")[1])[-1]["token_ids"]
@@ -261,8 +270,8 @@ def test_two_filter_processes_fed_the_same_events_choose_alike(fleet):
         fleet.caught_up()
         assert fleet.chat(first, messages) == elsewhere, n
         assert fleet.chat(second, messages) == elsewhere, n
-    for flt in fleet.filters:
-        route = wait_for(lambda f=flt: (r := fleet.routes(f)) and r[-1], "the last request's log line")
+    for flt, base in zip(fleet.filters, (first, second)):
+        route = fleet.route_of(flt, base)
         assert route["route"] == "match", route
     # Envoy's one connection reaches one of the second filter's workers; the other holds the same view.
     fleet.caught_up()
@@ -305,5 +314,5 @@ def test_one_hub_per_filter_process_reads_each_batch_once_and_without_it_the_wor
     published = sum(json.loads(http_get(url + "/sim/stats")[1])["kv_event_batches"] for _, url, _, _ in fleet.sims)
     wait_for(lambda: read() >= before + 2 * published, "each worker's own feeds, every batch")
     assert fleet.chat(second, messages) == elsewhere
-    route = wait_for(lambda: (r := fleet.routes(flt)) and r[-1], "the last request's log line")
+    route = fleet.route_of(flt, second)
     assert route["route"] == "match", route
