@@ -59,6 +59,10 @@ def markdown(r: dict) -> str:
         "open ones are full, and the kernel spreads connections over the workers"),
         ("- every stream: Qwen3 reasoning + one hermes tool call + EOS from `derender sim` (script mode), one token "
         "per event, through Envoy 1.40 with `envoy/local.yaml`"),
+        ("- the filters on our HTTP/2 transport run their default `--response-leg auto` and their Envoy has the leg's "
+        "config, as `derender up` writes it: each worker reaches the producer itself and Envoy sends it no ext_proc "
+        "message per event (`msgs to ext_proc /token` near 0); the grpc.aio filter's Envoy has no leg (ext_proc for "
+        "every event)"),
         ("- vLLM's derender streams (section 2) take minutes of one core: they run on their own simulator and "
          "`vllm launch render` beside our length runs of section 2 only (CPU is counted per process there); latency, "
          "throughput and time to first token have the machine to themselves"),
@@ -316,7 +320,9 @@ def paced_markdown(r: dict) -> str:
         "asked through /v1/chat/completions, /v1/messages and /v1/responses of one filter, beside Envoy alone (the "
         "producer's own request, no ext_proc), the echo ext_proc and vLLM's coupled API server (`bench/coupled_vllm.py`) paced the same. Envoy reaches the filter and "
         "the echo ext_proc on Unix sockets, as `derender up` does (`--filter-socket unix`), and the grpc.aio "
-        "ones on loopback TCP. Pacing: "
+        "ones on loopback TCP. The filter runs its default `--response-leg auto` and its Envoy has the leg's config, as "
+        "`derender up` writes it: each worker reaches the producer itself, no ext_proc message per event (the grpc.aio "
+        "filter's Envoy has no leg: ext_proc for every event). Pacing: "
         + ("**lockstep**: one engine step every 20 ms for every stream at once, as one GPU decodes its whole batch "
            "(the simulator's and the coupled engine's `StepClock`)." if lockstep else
            "each stream's events 20 ms apart on a timer of its own (streams out of step with each other)."),

@@ -147,7 +147,10 @@ class Bench:
                     "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
 
         # Envoy reaches the filters on their own transport, and the echo floor, on Unix sockets as
-        # `derender up` does by default; the grpc.aio and full-duplex servers (grpc.aio too) on TCP.
+        # `derender up` does by default; the grpc.aio and full-duplex servers (grpc.aio too) on TCP. The
+        # filters on our transport run their default --response-leg (auto) and their Envoy has the leg's
+        # config, as `derender up` writes it: each worker reaches the producer itself. The grpc.aio
+        # filter's Envoy has none (ext_proc for every event, as any config without the leg).
         sockets = {name: p.unix_path(name) for name in ("echo", "plain", "hermes", "hermes-vllm")}
 
         def uds(name: str) -> list[str]:
@@ -197,9 +200,9 @@ class Bench:
             "envoy": p.start_envoy("envoy-alone", ports["sim"], None),
             "echo": p.start_envoy("envoy-echo", ports["sim"], ports["echo"], unix=sockets["echo"]),
             "echo-fds": p.start_envoy("envoy-echo-fds", ports["sim"], ports["echo-fds"], full_duplex=True),
-            "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"], unix=sockets["plain"]),
-            "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"], unix=sockets["hermes"]),
-            "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"], unix=sockets["hermes-vllm"]),
+            "plain": p.start_envoy("envoy-plain", ports["sim"], ports["plain"], unix=sockets["plain"], leg=True),
+            "hermes": p.start_envoy("envoy-hermes", ports["sim"], ports["hermes"], unix=sockets["hermes"], leg=True),
+            "hermes-vllm": p.start_envoy("envoy-hermes-vllm", ports["sim"], ports["hermes-vllm"], unix=sockets["hermes-vllm"], leg=True),
             "hermes-fds": p.start_envoy("envoy-hermes-fds", ports["sim"], ports["hermes-fds"], full_duplex=True),
             "echo-grpcio": p.start_envoy("envoy-echo-grpcio", ports["sim"], ports["echo-grpcio"]),
             "hermes-grpcio": p.start_envoy("envoy-hermes-grpcio", ports["sim"], ports["hermes-grpcio"]),
