@@ -152,6 +152,8 @@ def test_every_layout_talks_to_the_filter_as_the_readme_says(path):
     routes = [r for host in manager["route_config"]["virtual_hosts"] for r in host["routes"] if "route" in r]
     assert routes
     for route in routes:
+        if route["route"].get("cluster") == "derender_leg":  # the worker reaches the producer, and aborts there itself
+            continue
         assert {"header": {"key": "x-derender-upstream", "value": "%UPSTREAM_REMOTE_ADDRESS%"},
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} in route.get("response_headers_to_add", []), route
     cluster = _cluster(config, ours["grpc_service"]["envoy_grpc"]["cluster_name"])
@@ -181,6 +183,25 @@ STATIC_LAYOUTS = ("sidecar", "replicas", "compose")
 
 def _manager(config: dict) -> dict:
     return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("name", ("sidecar", "compose"))
+def test_static_layouts_have_the_response_leg_as_derender_up_writes_it(name):
+    """The leg's route (first, on the filter's header), its ``derender_leg`` cluster and the ext_proc
+    streams' capability metadata: exactly the blocks ``envoy_config.response_leg`` adds to the layout
+    without them (its requests through the leg: tests/test_response_leg*.py, on that function's output)."""
+    config = yaml.safe_load((ROOT / "envoy" / f"{name}.yaml").read_text())
+    bare = yaml.safe_load((ROOT / "envoy" / f"{name}.yaml").read_text())
+    for host in _manager(bare)["route_config"]["virtual_hosts"]:
+        host["routes"] = [r for r in host["routes"] if r.get("route", {}).get("cluster") != "derender_leg"]
+    bare["static_resources"]["clusters"] = [c for c in bare["static_resources"]["clusters"] if c["name"] != "derender_leg"]
+    del _ext_proc(bare)["grpc_service"]["initial_metadata"]
+    expected = envoy_config.response_leg(bare)
+    assert _manager(config)["route_config"] == _manager(expected)["route_config"]
+    assert _cluster(config, "derender_leg") == _cluster(expected, "derender_leg")
+    assert _ext_proc(config)["grpc_service"] == _ext_proc(expected)["grpc_service"]
+    assert sorted(c["name"] for c in config["static_resources"]["clusters"]) == sorted(
+        c["name"] for c in expected["static_resources"]["clusters"])
 
 
 @pytest.mark.parametrize("name", STATIC_LAYOUTS)
@@ -285,8 +306,8 @@ def test_compose_filter_command_is_one_derender_accepts(docker_env):
     # Prefix-cache-aware routing: the filter sets the key, Envoy's producer cluster hashes on it.
     assert args.routing == "prefix"
     envoy_routes = yaml.safe_load((ROOT / "envoy" / "compose.yaml").read_text())
-    [route] = envoy_routes["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"]["virtual_hosts"][0]["routes"]
+    [route] = [r for r in envoy_routes["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["route_config"]["virtual_hosts"][0]["routes"] if r["route"]["cluster"] == "producer"]
     assert route["route"]["hash_policy"] == [{"header": {"header_name": KEY_HEADER}}]
     producer = _cluster(envoy_routes, "producer")
     assert producer["lb_policy"] == "RING_HASH" and producer["health_checks"]
@@ -309,6 +330,9 @@ def test_compose_ext_proc_port_is_on_a_network_only_envoy_shares(docker_env, pro
     [subnet] = [c["subnet"] for c in network["ipam"]["config"]]
     args = build_parser().parse_args(services["filter"]["command"])
     assert ipaddress.ip_network(args.host) == ipaddress.ip_network(subnet)
+    # Each worker's response-leg listener too: Envoy reaches it there, and nothing on `default` can.
+    assert ipaddress.ip_network(args.leg_host) == ipaddress.ip_network(subnet)
+    assert args.response_leg == "auto"
     on_it = {name for name, service in services.items() if "extproc" in service.get("networks", {})}
     assert on_it == {"envoy", "filter"}
     assert {producer, "responses-store"} <= {name for name, service in services.items()

@@ -92,14 +92,15 @@ def test_producer_unreachable_is_a_503_in_each_clients_shape(qwen3_dir, stream):
 
 
 def test_a_replica_that_refuses_connections_is_passed_over(qwen3_dir):
-    """``--producer`` with a dead replica first and a live one: every request is answered by the live one
-    (a connect failure goes to another replica, as Envoy's ``retry_on: connect-failure``), and each
-    reached it once (nothing reached a producer twice)."""
+    """``--producer`` with a dead replica first and a live one, named by its host name (the system's
+    resolver gives its address): every request is answered by the live one (a connect failure goes to
+    another replica, as Envoy's ``retry_on: connect-failure``), and each reached it once (nothing reached
+    a producer twice)."""
     sim, live = start_sim(qwen3_dir)
     dead = f"http://127.0.0.1:{free_port()}"
     try:
         flt, port = start_filter(["--model", qwen3_dir, "--served-model-name", "qwen3", "--response-leg", "worker"],
-                                 f"{dead},{live}")  # fmt: skip
+                                 f"{dead},{live.replace('127.0.0.1', 'localhost')}")  # fmt: skip
         try:
             envoy, base = start_envoy(port, live, edit=envoy_config.response_leg)
             try:
@@ -164,6 +165,94 @@ def test_replicas_keep_a_key_on_its_replica_within_the_load_bound():
         one.finished(home)
     assert one.pick(key="hot") is home
     assert one.named("10.0.0.2:8000") is one.targets[1] and one.named("10.0.0.9:8000") is None
+
+
+def test_replicas_spread_over_the_addresses_a_name_resolves_to():
+    """A producer URL's host name stands for each address it resolves to (Envoy's ``STRICT_DNS``, as
+    compose's ``--scale producer=N`` behind one name): each address a replica of its own, by least request
+    and in a prefix key's order; looked up again every ``DNS_REFRESH`` seconds, in the background once
+    addresses are known; a replica gone from the answer keeps its count until its requests end; a failed
+    lookup keeps the addresses it had. The resolver stands in for DNS; the system's own resolves localhost."""
+    import asyncio
+
+    from derender.extproc.leg.wire import DNS_REFRESH, Replicas, lookup
+
+    now = [0.0]
+    answers = {"producer": ["10.0.0.1", "10.0.0.2", "10.0.0.3"]}
+    asked: list[str] = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        asked.append(host)
+        if answers.get(host) is None:
+            raise OSError(f"{host}: no address")
+        return list(answers[host])
+
+    async def scenario() -> None:
+        urls = ["http://producer:8000", "http://10.9.9.9:8000"]
+        replicas = Replicas(urls, clock=lambda: now[0], resolve=resolve)
+        await replicas.refresh()
+        assert [t.host for t in replicas.targets] == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.9.9.9"]
+        assert {t.authority for t in replicas.targets[:3]} == {"producer:8000"}  # the Host header keeps the name
+        assert {t.name for t in replicas.targets[:3]} == {"producer"}  # and a TLS producer's certificate
+        for _ in range(4):
+            replicas.started(replicas.pick())
+        assert sorted(replicas.active.values()) == [1, 1, 1, 1]  # one request each
+        twin = Replicas(urls, resolve=resolve)
+        await twin.refresh()
+        keys = [f"key-{i}" for i in range(40)]
+        assert [replicas.pick(key=k).key for k in keys] == [twin.pick(key=k).key for k in keys]
+        assert len({twin.pick(key=k).host for k in keys}) == 4  # every address has keys of its own
+        await replicas.refresh()
+        assert asked == ["producer", "producer"]  # not again before DNS_REFRESH (the twin asked once)
+        gone = replicas.targets[0]
+        answers["producer"] = ["10.0.0.2", "10.0.0.3", "10.0.0.4"]
+        now[0] += DNS_REFRESH
+        await replicas.refresh()  # known addresses: the lookup runs in the background
+        assert replicas.targets[0] is gone
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [t.host for t in replicas.targets] == ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.9.9.9"]
+        assert replicas.active[gone] == 1 and gone not in {replicas.pick() for _ in range(50)}
+        replicas.finished(gone)
+        answers["producer"] = None
+        now[0] += DNS_REFRESH
+        await replicas.refresh()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [t.host for t in replicas.targets] == ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.9.9.9"]
+        assert gone not in replicas.active  # its requests over and gone from DNS: forgotten
+        assert await lookup("localhost", 80) == ["127.0.0.1"]
+
+    asyncio.run(scenario())
+
+
+def test_leg_host_may_name_a_network():
+    """``--leg-host 172.30.90.0/24`` (compose's extproc network): the listener is on this machine's address
+    in it, and that is the address Envoy is given; a network this machine has no address in is refused."""
+    import asyncio
+    import ipaddress
+    import socket
+
+    import psutil
+    from derender.extproc.leg import front
+
+    async def scenario() -> None:
+        server = front.LegServer("http://127.0.0.1:1", "127.0.0.0/8")
+        address = await server.start()
+        try:
+            assert address == f"127.0.0.1:{server.server.port}", address
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.server.port)
+            writer.close()
+        finally:
+            await server.close()
+        mine = [ipaddress.ip_address(a.address.split("%")[0]) for addresses in psutil.net_if_addrs().values()
+                for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)]  # fmt: skip
+        elsewhere = next(n for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24")  # the documentation nets
+                         if not any(a in ipaddress.ip_network(n) for a in mine))  # fmt: skip
+        with pytest.raises(OSError, match="no address in"):
+            await front.LegServer("http://127.0.0.1:1", elsewhere).start()
+
+    asyncio.run(scenario())
 
 
 def test_serve_refuses_what_the_leg_cannot_do_yet(qwen3_dir):

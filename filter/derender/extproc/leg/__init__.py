@@ -72,5 +72,6 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "--leg-host",
         default="127.0.0.1",
         help="--response-leg worker: the address of each worker's leg listener, on a port the system picks; "
-        "Envoy must reach it (default 127.0.0.1)",
+        "Envoy must reach it; a network (e.g. 172.30.90.0/24) stands for this machine's first address in it, as "
+        "with --host (default 127.0.0.1)",
     )

@@ -29,7 +29,7 @@ from ...translate.errors import HTTPError
 from ..http2 import Connection, Limits, Server
 from ..http2.connection import Call
 from ..http2.events import Opened
-from ..listen import hostport
+from ..listen import hostport, listen_hosts
 from . import CAPABLE, LEG_HEADER
 from .parked import Parked
 from .producer import Leg
@@ -57,8 +57,9 @@ class LegServer:
         self._quiet: asyncio.Event | None = None  # set when draining and the last answer is whole
 
     async def start(self) -> str:
-        await self.server.start(self.host, 0)
-        self.address = hostport(self.host, self.server.port)
+        host = listen_hosts(self.host)[0]  # a network (``--leg-host 172.30.90.0/24``): this machine's address in it
+        await self.server.start(host, 0)
+        self.address = hostport(host, self.server.port)
         log.info("response leg listening on %s", self.address)
         return self.address
 

@@ -113,6 +113,7 @@ class Leg:
     async def _connect(self) -> None:
         """A connection to a replica (``Replicas``: least request, another one on a connect failure)."""
         loop = asyncio.get_running_loop()
+        await self.replicas.refresh()  # a producer's name: its addresses
         tried: list[Target] = []
         why = "no producer"
         key = self.rewrite.set_headers.get(KEY_HEADER)
@@ -129,7 +130,7 @@ class Leg:
             try:
                 await asyncio.wait_for(
                     loop.create_connection(lambda: _Conn(self), host, port, ssl=tls,
-                                           server_hostname=host if tls else None),
+                                           server_hostname=target.name if tls else None),
                     CONNECT_TIMEOUT,
                 )  # fmt: skip
             except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
