@@ -7,7 +7,10 @@
 Both trees' stacks (a simulator with a clock on its writes, ``bench/timed_sim.py``; a filter; Envoy
 1.40, ``bench/procs.py``'s config) run side by side for the whole measurement, one stream at a
 time; the filters run with their own default flags but for what ``--before-flags`` and
-``--after-flags`` add.
+``--after-flags`` add. The after tree runs on its response leg with the leg's Envoy config, as
+``derender up`` runs it, and the before tree through ext_proc for every event (what a tree from before
+the leg has), unless ``--before-leg`` / ``--after-leg`` say otherwise (``--before . --before-leg no``:
+this tree through ext_proc beside its leg).
 
 Latency per token: in rounds that alternate which tree goes first, each tree serves one reasoning +
 tool-call stream of ``--latency-tokens`` tokens, one event every 10 ms; a token's latency is from the
@@ -84,6 +87,11 @@ def main() -> int:
     parser.add_argument("--after-envoy-concurrency", type=int, default=None)
     parser.add_argument("--before-socket", choices=["unix", "tcp"], default="unix",
                         help="how Envoy reaches the before tree's filter (tcp: a tree from before --uds)")
+    parser.add_argument("--before-leg", choices=["yes", "no"], default="no",
+                        help="the before tree's filter on its response leg, Envoy with the leg's config (default no: "
+                        "ext_proc for every event, what a tree from before the leg has)")
+    parser.add_argument("--after-leg", choices=["yes", "no"], default="yes",
+                        help="the same for the after tree (default yes: as `derender up` runs it)")
     parser.add_argument("--out", default="-", help="the report (default '-': stdout only)")
     args = parser.parse_args()
     procs.exit_on_sigterm()
@@ -102,7 +110,8 @@ def main() -> int:
             _, envoy = procs.start_stack(started, f"lowload-{name}", model_dir, script, serve, 0.01, env=env,
                                          sim=[procs.PYTHON, str(BENCH / "timed_sim.py")],
                                          envoy_concurrency=getattr(args, f"{name}_envoy_concurrency"),
-                                         unix=name == "after" or args.before_socket == "unix")
+                                         unix=name == "after" or args.before_socket == "unix",
+                                         leg=getattr(args, f"{name}_leg") == "yes")
             urls[name] = envoy.url + "/v1/chat/completions"
             producer = started[-3]  # start_stack starts the simulator, the filter, Envoy
             sims[name] = f"http://127.0.0.1:{producer.argv[producer.argv.index('--port') + 1]}"

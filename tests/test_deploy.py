@@ -185,7 +185,7 @@ def _manager(config: dict) -> dict:
     return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
 
 
-@pytest.mark.parametrize("name", ("sidecar", "compose"))
+@pytest.mark.parametrize("name", STATIC_LAYOUTS)
 def test_static_layouts_have_the_response_leg_as_derender_up_writes_it(name):
     """The leg's route (first, on the filter's header), its ``derender_leg`` cluster and the ext_proc
     streams' capability metadata: exactly the blocks ``envoy_config.response_leg`` adds to the layout

@@ -221,6 +221,13 @@ def test_replicas_spread_over_the_addresses_a_name_resolves_to():
         await asyncio.sleep(0)
         assert [t.host for t in replicas.targets] == ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.9.9.9"]
         assert gone not in replicas.active  # its requests over and gone from DNS: forgotten
+        answers["producer"] = []  # an empty answer is no answer
+        now[0] += DNS_REFRESH
+        await replicas.refresh()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [t.host for t in replicas.targets] == ["10.0.0.2", "10.0.0.3", "10.0.0.4", "10.9.9.9"]
+        assert len(asked) == 5
         assert await lookup("localhost", 80) == ["127.0.0.1"]
 
     asyncio.run(scenario())

@@ -125,7 +125,9 @@ class Replicas:
                     continue
                 try:
                     addresses = await self.resolve(given.name, given.port)
-                except OSError as exc:
+                    if not addresses:
+                        raise OSError("no address")
+                except (OSError, UnicodeError) as exc:  # no answer, or a name no resolver takes
                     log.warning("producer %s: lookup failed (%s); its addresses stay as they were", given.url, exc)
                     found += [t for t in self.targets if t.url == given.url]
                     continue
