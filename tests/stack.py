@@ -128,9 +128,10 @@ def start_filter(model_flags: list[str], producer: str, port: int | None = None)
 
 @contextlib.contextmanager
 def served_behind_envoy(name: str, model_dir: str, flags: list[str], sim_flags: tuple[str, ...] = (),
-                        ready: Callable[[Proc], bool] | None = None) -> Iterator[tuple[Proc, int, str]]:
+                        ready: Callable[[Proc], bool] | None = None, edit=None) -> Iterator[tuple[Proc, int, str]]:
     """A simulator, ``derender serve`` (qwen3's name, ``flags`` added) and Envoy in front:
-    (the filter's process, its port, Envoy's URL); ``ready``: what else to wait for before Envoy."""
+    (the filter's process, its port, Envoy's URL); ``ready``: what else to wait for before Envoy;
+    ``edit``: ``start_envoy``'s (``envoy_config.response_leg``: Envoy with the response leg)."""
     sim, sim_url = start_sim(model_dir, *sim_flags)
     port = free_port()
     flt = Proc(name, [*DERENDER, "serve", "--model", model_dir, "--served-model-name", "qwen3",
@@ -138,7 +139,7 @@ def served_behind_envoy(name: str, model_dir: str, flags: list[str], sim_flags: 
     procs = [sim, flt]
     try:
         flt.wait(lambda: tcp_open(port) and (ready is None or ready(flt)), 300)
-        envoy, base = start_envoy(port, sim_url)
+        envoy, base = start_envoy(port, sim_url, edit=edit)
         procs.append(envoy)
         yield flt, port, base
     finally:

@@ -11,7 +11,8 @@ from leg_stacks import borrow, with_the_leg
 from test_tracing import fast_export, receiver  # noqa: F401  (the fixtures the borrowed tests use)
 
 
-# Not here: the shipped layouts' test, which starts their own Envoy configs (they have no leg).
+# Not here: the shipped layouts' test, which starts their own Envoy configs (they have the leg, and
+# test_tracing's filter takes it by its default, --response-leg auto).
 borrow(test_tracing, globals(), {"traced"}, leave=frozenset({"test_each_shipped_layouts_envoy_traces_into_one_trace_with_the_filter"}))
 
 

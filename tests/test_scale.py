@@ -17,6 +17,7 @@ import pytest
 from stack import served_behind_envoy
 
 from derender.extproc import scale
+from derender.ops import envoy_config
 from derender.extproc.scale import FORK, MOVE, Reading, Scaler
 
 
@@ -46,6 +47,17 @@ def test_connections_move_from_a_busy_worker_to_one_with_room():
     assert scaler.decide([reading(0, 0.9, 2), reading(1, 0.2, 1)], now=105) is None  # within one: nothing to gain
     assert scaler.decide([reading(0, 0.9, 4), reading(1, 0.5, 0)], now=108) is None  # no room there, and at most 2
     assert scaler.decide([reading(0, 0.5, 4), reading(1, 0.0, 0)], now=110) is None  # not busy: left alone
+
+
+def test_a_worker_with_no_connection_takes_the_only_one_of_a_busy_worker():
+    """With the response leg Envoy's one thread holds one ext_proc connection (its streams last a render),
+    and every request's leg runs where it is: a worker with room and none takes it from a busy one."""
+    scaler = Scaler(most=2, busy_at=0.7, window=10)
+    assert scaler.decide([reading(0, 0.9, 1), reading(1, 0.0, 0, age=1)], now=100) == (MOVE, 0)
+    assert scaler.decide([reading(0, 0.9, 1), reading(1, 0.0, 0)], now=101) is None  # settling
+    assert scaler.decide([reading(0, 0.1, 0), reading(1, 0.9, 1)], now=103) == (MOVE, 1)  # and back, once busy
+    assert scaler.decide([reading(0, 0.9, 1), reading(1, 0.1, 1)], now=106) is None  # one each: nothing to gain
+    assert scaler.decide([reading(0, 0.9, 0), reading(1, 0.0, 0)], now=109) is None  # nothing to move
 
 
 def test_the_board_is_shared_with_a_forked_worker():
@@ -84,10 +96,14 @@ def _envoy_connections(pid: int, port: int) -> int:
         return 0
 
 
-@pytest.fixture(scope="module")
-def auto_stack(qwen3_dir):
+@pytest.fixture(scope="module", params=["ext_proc", "leg"])
+def auto_stack(qwen3_dir, request):
+    """``--workers auto`` behind Envoy, through ext_proc or (``leg``) with Envoy's config for the response
+    leg: each request's leg runs on the worker whose ext_proc connection brought it."""
     flags = ["--workers", "auto", "--max-workers", "2", "--scale-busy", "0.03"]
-    with served_behind_envoy("filter-auto", qwen3_dir, flags, sim_flags=("--delay", "0.02")) as stack:
+    edit = envoy_config.response_leg if request.param == "leg" else None
+    with served_behind_envoy(f"filter-auto-{request.param}", qwen3_dir, flags, sim_flags=("--delay", "0.02"),
+                             edit=edit) as stack:  # fmt: skip
         yield stack
 
 

@@ -11,11 +11,13 @@ so the filter starts with one and adds a worker when the saturation signal says 
   it raises to ask the worker to hand one connection to the others.
 - ``Scaler``: the supervisor's decision each second, from the slots alone (no I/O): fork a worker
   when one is busy past ``busy_at`` and none has room; move a connection from a busy worker to one
-  with room while their connection counts differ by two or more.
+  with room while their connection counts differ by two or more, or the one with room has none.
 - Moving a connection: the busy worker sends that connection a graceful GOAWAY. Its open streams
   finish on it; Envoy opens a new connection for new streams when its others are full, and the
   kernel (SO_REUSEPORT) gives the new one to any worker listening on the port: repeated while the
-  counts still differ.
+  counts still differ. A worker with room and no connection at all takes one from a busy worker that
+  has any: with the response leg (``extproc.leg``) a request's leg runs on the worker whose ext_proc
+  connection brought it, and Envoy's short ext_proc streams fit on one connection per Envoy thread.
 """
 
 from __future__ import annotations
@@ -101,7 +103,10 @@ class Scaler:
         roomy = [r for r in readings if r.listening and r.slot != hot.slot and r.busy < self.busy_at / 2]
         if roomy:
             fewest = min(r.connections for r in roomy)
-            if hot.connections >= fewest + 2 and now - self._moved >= MOVE_SETTLE:
+            # Two more than a worker with room, or any while one has none: with the response leg Envoy's
+            # ext_proc streams last only a render, its one thread holds one connection, and every request's
+            # leg runs where that connection is.
+            if (hot.connections >= fewest + 2 or hot.connections > fewest == 0) and now - self._moved >= MOVE_SETTLE:
                 self._moved = now
                 return MOVE, hot.slot
             return None

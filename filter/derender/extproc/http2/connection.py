@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .server import Server
 
 LINGER = 2.0  # seconds a closing connection's input is still read and dropped
+HEALTH_PATH = "/grpc.health.v1.Health/"  # a health checker's calls: they make no connection one that carries requests
 
 
 class Call:
@@ -50,6 +51,7 @@ class Connection(asyncio.Protocol):
         self.paused: asyncio.Future | None = None
         self.scheduled = False  # a flush at this loop turn's end
         self.lingering = False  # our side shut: what the peer still sends is read and dropped
+        self.last_call = float("-inf")  # when a request's stream (not a health check) last opened here
 
     # -- the machine's output -----------------------------------------------------------------------
     def _pump(self) -> None:
@@ -109,6 +111,8 @@ class Connection(asyncio.Protocol):
     # -- streams --------------------------------------------------------------------------------------
     def _opened(self, event: Opened) -> None:
         parse, handler = self.server.methods[event.path]
+        if not event.path.startswith(HEALTH_PATH):
+            self.last_call = self.loop.time()
         call = self.calls[event.stream_id] = Call(event.stream_id, parse)
         call.task = self.loop.create_task(self._run(call, handler, event.metadata))
         call.task.add_done_callback(lambda task: self._handler_done(call))  # one cancelled before it ran too

@@ -20,6 +20,7 @@ from .wire import Limits
 log = logging.getLogger("derender.http2")
 
 LOG_EVERY = 10.0  # seconds between two log lines about the same defence
+CARRIED = 2.0  # seconds since its last request's stream opened that an idle connection still counts as carrying
 
 
 class Server:
@@ -116,12 +117,16 @@ class Server:
         return sum(len(c.machine.streams) for c in self.connections)
 
     def _movable(self) -> list[Connection]:
+        recent = asyncio.get_running_loop().time() - CARRIED
         return [
-            c for c in self.connections if c.machine.streams and not c.machine.goaway_phase and not c.machine.ending
-        ]
+            c for c in self.connections
+            if (c.machine.streams or c.last_call >= recent) and not c.machine.goaway_phase and not c.machine.ending
+        ]  # fmt: skip
 
     def movable(self) -> int:
-        """Connections carrying streams that could be handed to another worker (``retire_one``)."""
+        """Connections carrying requests that could be handed to another worker (``retire_one``): with streams
+        open, or one opened in the last ``CARRIED`` seconds (with the response leg a request's ext_proc stream
+        lasts only its render, and the connection is idle between requests)."""
         return len(self._movable())
 
     def retire_one(self) -> bool:
@@ -130,7 +135,7 @@ class Server:
         movable = self._movable()
         if not movable:
             return False
-        busiest = max(movable, key=lambda c: len(c.machine.streams))
+        busiest = max(movable, key=lambda c: (len(c.machine.streams), c.last_call))
         log.info(
             "handing a connection with %d streams to the other workers (a graceful GOAWAY)",
             len(busiest.machine.streams),
