@@ -20,7 +20,9 @@ from .wire import Limits
 log = logging.getLogger("derender.http2")
 
 LOG_EVERY = 10.0  # seconds between two log lines about the same defence
-CARRIED = 2.0  # seconds since its last request's stream opened that an idle connection still counts as carrying
+# Seconds since its last request's stream opened that an idle connection still counts as carrying requests:
+# the busy ratio's window (``ops.busy.WINDOW``), whose load that connection brought.
+CARRIED = 10.0
 
 
 class Server:
