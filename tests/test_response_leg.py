@@ -165,6 +165,8 @@ def test_replicas_keep_a_key_on_its_replica_within_the_load_bound():
         one.finished(home)
     assert one.pick(key="hot") is home
     assert one.named("10.0.0.2:8000") is one.targets[1] and one.named("10.0.0.9:8000") is None
+    six = Replicas(["http://[::1]:8000", "http://10.0.0.1:8000"])
+    assert six.named("[::1]:8000") is six.targets[0] and six.named("::1:8000") is None  # as Envoy writes it
 
 
 def test_replicas_spread_over_the_addresses_a_name_resolves_to():
@@ -260,6 +262,16 @@ def test_leg_host_may_name_a_network():
             await front.LegServer("http://127.0.0.1:1", elsewhere).start()
 
     asyncio.run(scenario())
+
+
+def test_the_leg_mode_resolves_auto_and_refuses_worker_where_a_flag_lacks_it():
+    """``leg.resolve``, which ``serve`` (``options.settings``) and ``up`` both use."""
+    from derender.extproc.leg import resolve, unsupported
+
+    assert resolve("auto", "") == "worker" and resolve("auto", "--prefill") == "envoy"
+    assert resolve("worker", "") == "worker" and resolve("envoy", "") == resolve("envoy", "--prefill") == "envoy"
+    with pytest.raises(ValueError, match="--response-leg worker does not yet work with --routing kv-events"):
+        resolve("worker", unsupported(None, None, "kv-events", None))
 
 
 def test_serve_refuses_what_the_leg_cannot_do_yet(qwen3_dir):

@@ -112,12 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"derender: {exc}") from None
     metrics.configure(args.metrics_host or hosts[0], args.metrics_port)
-    from .extproc import leg
-
-    lacking = leg.unsupported(args.config, args.render_url, args.routing, args.prefill)
-    if args.response_leg == "worker" and lacking:
-        raise SystemExit(f"derender: --response-leg worker does not yet work with {lacking}")
-    process = options.settings(args)
+    try:
+        process = options.settings(args)
+    except ValueError as exc:  # --response-leg worker with a flag it does not support yet (``leg.resolve``)
+        raise SystemExit(f"derender: {exc}") from None
     if process.api_keys:
         print("derender: API keys required on /v1 (Authorization: Bearer)", file=sys.stderr)
     _import_parser_plugins(args)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from .extproc import health
-from .extproc.leg import unsupported
+from .extproc.leg import resolve, unsupported
 from .ops import assets, envoy_config
 from .ops.children import Child, claim, free_port, http_ok
 from .routeflags import flow_flags, handoff_flags
@@ -226,13 +226,13 @@ def run(args: argparse.Namespace) -> int:
         keys += flow_flags(args) + handoff_flags(args)
         if getattr(args, "stream_path", None):
             keys += ["--stream-path", args.stream_path]
-        mode = getattr(args, "response_leg", "auto")
         lacking = unsupported(entries, getattr(args, "render_url", None), getattr(args, "routing", "least-request"),
                               getattr(args, "prefill", None) or getattr(args, "prefill_replicas", 0))  # fmt: skip
-        if mode == "worker" and lacking:
-            print(f"derender: --response-leg worker does not yet work with {lacking}", file=sys.stderr, flush=True)
+        try:  # the filter's leg, and Envoy's config for it
+            leg = resolve(getattr(args, "response_leg", "auto"), lacking) == "worker"
+        except ValueError as exc:
+            print(f"derender: {exc}", file=sys.stderr, flush=True)
             return 1
-        leg = mode == "worker" or (mode == "auto" and not lacking)  # the filter's leg, and Envoy's config for it
         keys += ["--response-leg", "worker" if leg else "envoy"]
         traces = getattr(args, "otlp_traces_endpoint", None)
         if traces:

@@ -46,14 +46,24 @@ def unsupported(config: object, render_url: object, routing: str, prefill: objec
     return ""
 
 
+def resolve(chosen: str, lacking: str) -> str:
+    """``--response-leg`` as it runs, given what the other flags leave it lacking (``unsupported``): auto
+    is worker where nothing lacks, else envoy; worker with something lacking is refused (ValueError)."""
+    if chosen == "worker" and lacking:
+        raise ValueError(f"--response-leg worker does not yet work with {lacking}")
+    if chosen == "auto":
+        return "envoy" if lacking else "worker"
+    return chosen
+
+
 def mode(args: argparse.Namespace) -> str | None:
-    """``--response-leg``, with auto made worker where these flags allow it, else envoy."""
+    """``--response-leg``, with auto made worker where these flags allow it, else envoy (``resolve``)."""
     chosen = getattr(args, "response_leg", None)
-    if chosen != "auto":
-        return chosen
+    if chosen is None:
+        return None
     lacking = unsupported(getattr(args, "config", None), getattr(args, "render_url", None),
                           getattr(args, "routing", "least-request"), getattr(args, "prefill", None))  # fmt: skip
-    return "envoy" if lacking else "worker"
+    return resolve(chosen, lacking)
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:

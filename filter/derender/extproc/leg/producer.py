@@ -125,7 +125,7 @@ class Leg:
                 break
             tried.append(target)
             host, port, tls, authority = target.address()
-            self.upstream = f"{host}:{port}"
+            self.upstream = target.where
             self.request = producer_request(self.rewrite, self.headers, authority)
             try:
                 await asyncio.wait_for(

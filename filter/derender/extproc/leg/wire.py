@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from ...exchange import STRIP_REQUEST_HEADERS, Rewrite
 from ...ops.envoy_config import BALANCE_FACTOR
 from ...routing.clusters import STEERING_PREFIX
+from ..listen import hostport
 from . import LEG_HEADER, WORKER_HEADER
 
 log = logging.getLogger("derender.leg")
@@ -45,6 +46,7 @@ class Target:
         self.tls = parts.scheme == "https"
         self.port = parts.port or (443 if self.tls else 80)
         self.key = url if address is None else f"{url} {address}"  # its place in a prefix key's order
+        self.where = hostport(self.host, self.port)  # HOST:PORT as Envoy names an upstream (IPv6 in brackets)
         self._ssl = ssl.create_default_context() if self.tls else None
 
     def address(self) -> tuple[str, int, ssl.SSLContext | None, str]:
@@ -162,7 +164,7 @@ class Replicas:
         """The replica routing named (``IP:PORT``), if it is one of these."""
         if address:
             for target in self.targets:
-                if f"{target.host}:{target.port}" == address:
+                if target.where == address:
                     return target
         return None
 
